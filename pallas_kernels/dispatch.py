@@ -1,0 +1,30 @@
+"""Choose a paged-attention implementation by name; models call ``paged_attention`` only."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.xla_attention import xla_paged_attention
+
+
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """``auto`` becomes ``pallas`` on GPU/TPU and ``xla`` on CPU; other names pass through."""
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    return "xla" if platform == "cpu" else "pallas"
+
+
+def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, backend: str,
+                    scale: float, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> jax.Array:
+    """Attention of flat ragged queries ``q[T, Hq, D]`` over layer ``layer`` of ``kv_pages``."""
+    if backend == "xla":
+        return xla_paged_attention(q, kv_pages, layer, md, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend in ("pallas", "pallas_interpret"):
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        return ragged_paged_attention(q, kv_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                                      soft_cap=soft_cap, interpret=backend == "pallas_interpret")
+    raise ValueError(f"unknown attention backend {backend!r}")
