@@ -1,0 +1,18 @@
+"""jaxpaged: a PagedAttention LLM serving engine on JAX."""
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.request import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # LLM and LLMEngine pull in JAX and transformers; import them only when asked for.
+    if name == "LLM":
+        from jaxpaged.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from jaxpaged.engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

@@ -57,6 +57,10 @@ class Request:
     """Physical KV blocks, in logical order; filled by the KVCacheManager."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    output_text_end: int | None = None
+    """Where the output text is cut when a stop string matched."""
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,80 @@
+"""``jaxpaged`` command line: thin wrappers over the public Python API."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.sampling_params import SamplingParams
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``EngineArgs`` field, typed and documented from the dataclass."""
+    group = parser.add_argument_group("engine arguments")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        conv = _bool if base is bool else base
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=conv, default=f.default,
+                           help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from jaxpaged.llm import LLM
+
+    sp = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed,
+                        max_tokens=ns.max_tokens)
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    if ns.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], sp, use_tqdm=False)
+    else:
+        outs = llm.generate(ns.prompts, sp, use_tqdm=False)
+    for prompt, out in zip(ns.prompts, outs):
+        c = out.outputs[0]
+        print(f"### prompt: {prompt!r}\n{c.text}\n### ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM serving on JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Generate completions for prompts and print them.")
+    gen.add_argument("prompts", nargs="+", help="Prompt texts.")
+    gen.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt.")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling.")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxpaged: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
