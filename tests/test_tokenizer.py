@@ -1,0 +1,177 @@
+"""Tokenizer loading (GGUF and HF dir), chat templates, and incremental detokenization that
+agrees with a full decode for multi-byte text under byte-level BPE and sentencepiece-style BPE."""
+
+from __future__ import annotations
+
+import random
+
+import gguf
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Hello, accents, CJK, emoji (some outside the BMP, some with ZWJ), and whitespace.
+ALPHABET = "abcdefgh Hello thé cat,.!?\n\t éàöñçß ÆØ ĳ 你好世界東京 한국어 ありがとう ∑∂≠ 😀🙂🚀👍🏽👨‍👩‍👧 €£"
+texts = st.text(alphabet=ALPHABET, min_size=0, max_size=40)
+chunkings = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=8)
+
+
+def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int], chunks: list[int],
+           skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    """Feed `output` in chunks of the given sizes (cycled), checking after every step that the
+    deltas add up to `text` and that `text` is the full decode wherever that is complete."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
+    done, deltas, i = 0, [], 0
+    while done < len(output):
+        n = chunks[i % len(chunks)]
+        deltas.append(detok.step(output[done:done + n]))
+        done, i = min(done + n, len(output)), i + 1
+        assert "".join(deltas) == detok.text
+        full = continuation(tokenizer, prompt, output[:done], skip_special_tokens)
+        if full is not None:
+            assert detok.text == full
+    return detok
+
+
+def continuation(tokenizer: Tokenizer, prompt: list[int], output: list[int], skip: bool) -> str | None:
+    """The output as it reads after the prompt, from full decodes; None while it ends in a
+    broken character. A prompt that ends in one gives no context (as in the detokenizer)."""
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=skip)
+    if prompt_text.endswith("\ufffd"):
+        prompt, prompt_text = [], ""
+    full = tokenizer.decode(prompt + output, skip_special_tokens=skip)
+    if full.endswith("\ufffd"):
+        return None
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text):]
+
+
+# ---------------------------------------------------------------- SmolLM2's GGUF tokenizer
+
+def test_gguf_tokenizer_fields(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, 49152)
+    assert {0, 1, 2} <= tok.all_special_ids
+    assert tok.hf.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_gguf_tokenizer_vocab_is_the_files(smollm2_tokenizer, smollm2_gguf):
+    """transformers rebuilt the tokenizer from tokenizer.ggml.tokens: same strings, same ids."""
+    field = gguf.GGUFReader(smollm2_gguf).get_field("tokenizer.ggml.tokens")
+    tokens = field.contents()
+    assert len(tokens) == 49152
+    assert smollm2_tokenizer.hf.convert_ids_to_tokens(list(range(len(tokens)))) == tokens
+
+
+def test_gguf_tokenizer_encodes_without_bos(smollm2_tokenizer):
+    """The GGUF says add_bos_token = false; pinned ids guard the pre-tokenizer and merges."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hello world! héllo 你好 🙂")
+    assert ids == [19556, 905, 17, 294, 2756, 31394, 216, 18645, 250, 48392, 138, 47526]
+    assert tok.encode("Hello", add_special_tokens=False) == tok.encode("Hello") == [19556]
+    assert tok.decode(ids) == "Hello world! héllo 你好 🙂"
+
+
+def test_gguf_chat_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = tok.apply_chat_template(messages)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert ids.count(1) == 3 and ids.count(2) == 2  # role markers are single special tokens
+    without = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert ids[:len(without)] == without and len(without) < len(ids)
+
+
+def test_load_rejects_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        Tokenizer.load(tmp_path / "missing")
+
+
+def test_split_character_is_held_back(smollm2_tokenizer):
+    """你 and 好 are two byte-level tokens each: a first half alone must not be emitted."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("你好")
+    assert len(ids) == 4
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+    assert [detok.step([i]) for i in ids] == ["", "你", "", "好"]
+    assert detok.text == "你好"
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=texts, output=texts, chunks=chunkings)
+def test_incremental_equals_full_decode_byte_level(smollm2_tokenizer, prompt, output, chunks):
+    tok = smollm2_tokenizer
+    prompt_ids, output_ids = tok.encode(prompt), tok.encode(output)
+    detok = stream(tok, prompt_ids, output_ids, chunks)
+    assert detok.text == tok.decode(output_ids) == output  # byte-level BPE round-trips exactly
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_random_ids_byte_level(smollm2_tokenizer, skip_special_tokens):
+    """Arbitrary ids: special tokens, stray UTF-8 continuation bytes, invalid sequences, prompts
+    that end mid-character."""
+    tok = smollm2_tokenizer
+    rng = random.Random(1234)
+    partial_chars = tok.encode("你好世界 ありがとう 😀🚀 한국어")  # many ids are parts of a character
+    for _ in range(80):
+        pool = [rng.randrange(tok.vocab_size) for _ in range(20)] + partial_chars + [0, 1, 2]
+        prompt = [rng.choice(pool) for _ in range(rng.randrange(0, 8))]
+        output = [rng.choice(pool) for _ in range(rng.randrange(0, 40))] + tok.encode(".")  # ends complete
+        detok = stream(tok, prompt, output, [rng.randrange(1, 4)], skip_special_tokens)
+        assert detok.text == tok.decode(output, skip_special_tokens=skip_special_tokens)
+
+
+def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
+    """Each step decodes a short window, never the whole output."""
+    tok = smollm2_tokenizer
+    output = tok.encode("The quick brown fox jumps over the lazy dog, 你好 😀. " * 60)
+    window_lengths: list[int] = []
+    decode = tok.decode
+
+    def spy(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        window_lengths.append(len(token_ids))
+        return decode(token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    detok = IncrementalDetokenizer(tok, tok.encode("Start"))
+    for token in output:
+        detok.step([token])
+    monkeypatch.undo()
+    assert detok.text == tok.decode(output)
+    assert len(output) > 800 and max(window_lengths) <= 12
+
+
+# ---------------------------------------------------------------- sentencepiece-style tokenizer
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(sentencepiece_tokenizer_dir) -> Tokenizer:
+    return Tokenizer.load(sentencepiece_tokenizer_dir)
+
+
+def test_sentencepiece_tokenizer_uses_byte_fallback(sp_tokenizer):
+    ids = sp_tokenizer.encode("the 😀")
+    assert ids[0] == sp_tokenizer.bos_token_id == 1
+    assert sum(t.startswith("<0x") for t in sp_tokenizer.hf.convert_ids_to_tokens(ids)) == 4
+    assert sp_tokenizer.decode(ids) == "the 😀"
+
+
+def test_no_chat_template_is_a_clear_error(sp_tokenizer):
+    with pytest.raises(ValueError, match="no chat template"):
+        sp_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=texts, output=texts, chunks=chunkings)
+def test_incremental_equals_full_decode_sentencepiece(sp_tokenizer, prompt, output, chunks):
+    tok = sp_tokenizer
+    output_ids = tok.encode(output, add_special_tokens=False)
+    # With a prompt, the first output token keeps its leading space as in decode(prompt + output).
+    stream(tok, tok.encode(prompt), output_ids, chunks)
+    # Without one, the text is exactly decode(output_ids).
+    detok = stream(tok, [], output_ids, chunks)
+    assert detok.text == tok.decode(output_ids)
