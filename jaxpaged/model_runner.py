@@ -26,12 +26,14 @@ from pallas_kernels.metadata import num_prefill_tiles
 logger = logging.getLogger(__name__)
 
 PREFILL_TILE = 64
+# Bucket floors: padding a small batch up to these costs little and saves compiled programs.
+MIN_TOKENS, MIN_ROWS, MIN_CONTEXT, MIN_TILES = 16, 8, 256, 4
 
 
 def _bucket(n: int, cap: int, floor: int = 1) -> int:
-    """Smallest power of two >= n (at least ``floor``), but never above ``cap``."""
-    b = max(floor, 1 << max(0, n - 1).bit_length())
-    return min(b, cap) if n <= cap else n
+    """Smallest power of two >= max(n, floor), clipped to ``cap`` (never below ``n``)."""
+    b = 1 << (max(n, floor, 1) - 1).bit_length()
+    return max(min(b, cap), n)
 
 
 @dataclass
@@ -94,10 +96,11 @@ class ModelRunner:
         n = np.asarray(out.num_new_tokens, np.int32)
         starts = np.asarray(out.start_positions, np.int32)
         T = int(n.sum())
-        T_b = _bucket(T, self.max_num_batched_tokens, floor=8)
-        R_b = _bucket(R, self.max_num_seqs)
+        T_b = _bucket(T, self.max_num_batched_tokens, floor=MIN_TOKENS)
+        R_b = _bucket(R, self.max_num_seqs, floor=MIN_ROWS)
         seq_lens = starts + n
-        W_b = _bucket(-(-int(seq_lens.max()) // self.block_size), self.max_blocks_per_seq)
+        W_b = _bucket(-(-int(seq_lens.max()) // self.block_size), self.max_blocks_per_seq,
+                      floor=MIN_CONTEXT // self.block_size)
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
@@ -120,7 +123,7 @@ class ModelRunner:
         seq_lens_b[:R] = seq_lens
         tile = min(PREFILL_TILE, T_b)
         n_tiles = num_prefill_tiles(qsl, tile)
-        P_b = 0 if n_tiles == 0 else _bucket(n_tiles, 1 << 30)
+        P_b = 0 if n_tiles == 0 else _bucket(n_tiles, 1 << 30, floor=MIN_TILES)
         tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
         md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,

@@ -1,0 +1,84 @@
+"""Decode-step time against KV pool size: the pool is donated and written in place, so a step's
+cost must not grow when the pool does.
+
+Uses SmolLM2-135M's shape with random weights (step time does not depend on weight values) and
+runs pool sizes in alternation, quoting medians. ``python -m benchmarks.pool_scaling``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax.numpy as jnp
+
+from jaxpaged.model_runner import ModelRunner
+from jaxpaged.request import Request
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import SchedulerOutput
+from models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
+from models.registry import BuiltModel, ModelShape
+
+SMOLLM2 = LlamaArchConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                          tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+                          rope_theta=100000.0)
+
+
+def decode_batch(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """``batch`` requests, each decoding its token number ``context`` with disjoint blocks."""
+    per_req = -(-context // block_size)
+    reqs = []
+    for i in range(batch):
+        r = Request(str(i), list(range(1, context + 1)), SamplingParams(temperature=0.0), max_tokens=8, seed=0)
+        r.block_ids = list(range(1 + i * per_req, 1 + (i + 1) * per_req))
+        reqs.append(r)
+    return SchedulerOutput(requests=reqs, num_new_tokens=[1] * batch, start_positions=[context - 1] * batch,
+                           preempted=[])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--base-blocks", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (A, B, A, B, ...)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    args = ap.parse_args()
+
+    model = BuiltModel(LlamaForCausalLM(SMOLLM2, jnp.float32, "xla"), init_params(SMOLLM2, jnp.float32),
+                       ModelShape(30, 3, 64, 49152, 8192))
+    sizes = {"1x": args.base_blocks, "4x": 4 * args.base_blocks}
+    needed = args.batch * -(-args.context // args.block_size) + 1
+    if needed > args.base_blocks:
+        raise SystemExit(f"--base-blocks must be at least {needed} for this batch and context")
+    out = decode_batch(args.batch, args.context, args.block_size)
+    runners = {k: ModelRunner(model, num_blocks=n, block_size=args.block_size, dtype=jnp.float32,
+                              max_num_batched_tokens=512, max_num_seqs=256, max_model_len=8192)
+               for k, n in sizes.items()}
+    for r in runners.values():
+        r.execute(out)                              # compile and warm up
+    times: dict[str, list[float]] = {k: [] for k in sizes}
+    for _ in range(args.rounds):
+        for k, r in runners.items():
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                r.execute(out)
+                times[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"decode step, batch {args.batch}, context {args.context}, block size {args.block_size}, "
+          f"SmolLM2-135M shape, float32, XLA backend")
+    print(f"{'pool':>6} {'blocks':>7} {'MiB':>8} {'median ms':>10} {'min ms':>8}")
+    for k, n in sizes.items():
+        mib = runners[k].kv_pages.nbytes / 2**20
+        print(f"{k:>6} {n:>7} {mib:>8.0f} {med[k]:>10.1f} {min(times[k]) * 1e3:>8.1f}")
+    print(f"ratio 4x / 1x: {med['4x'] / med['1x']:.3f}")
+    print(f"compiled step programs: {sum(r.num_compiled_programs for r in runners.values())}")
+    print(json.dumps({"median_ms": med, "ratio": med["4x"] / med["1x"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""SmolLM2-135M-Instruct from its GGUF: our engine against transformers loading the same file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from test_engine_equivalence import assert_matches_hf
+from tiny_models import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.",
+             "Explain in one sentence why the sky is blue, please, for a child of five years old.",
+             "Count from one to five."]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    return [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2_model, prompts):
+    return [hf_greedy(hf_smollm2_model, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    # Chunked prompts and a pool of 8 usable blocks: four sequences of ~60 tokens must preempt.
+    dict(max_num_batched_tokens=32, num_gpu_blocks_override=9),
+], ids=["default", "chunked_preempting"])
+def test_greedy_matches_transformers(engine_args, prompts, reference):
+    llm = LLM(**engine_args)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert_matches_hf(outs, reference)
+    eng = llm.engine
+    assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
+
+
+def test_cli_generate_prints_completion():
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--chat", "--max-tokens", "12",
+                           "What is the capital of France?"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "finish:" in proc.stdout
+
+
+def test_cli_reports_bad_model_cleanly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--model", str(tmp_path / "nope"),
+                           "hi"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "jaxpaged: error:" in proc.stderr and "Traceback" not in proc.stderr
