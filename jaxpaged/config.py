@@ -31,6 +31,7 @@ class EngineArgs:
     kv_cache_memory: int = _arg(256 * 2**20, "Bytes of device memory for the KV-cache page pool.")
     num_gpu_blocks_override: int | None = _arg(None, "Use exactly this many KV blocks "
                                                "(ignores kv_cache_memory).")
+    enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of cached prompt prefixes across requests.")
     max_num_batched_tokens: int = _arg(512, "Token budget of one engine step (prefill chunks + decodes).")
     max_num_seqs: int = _arg(64, "Most requests running in one step.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps, mixed with decodes.")
@@ -61,6 +62,7 @@ class CacheConfig:
     block_size: int
     kv_cache_memory: int
     num_blocks_override: int | None
+    enable_prefix_caching: bool
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class EngineConfig:
                              f"got {a.attention_backend!r}.")
         return cls(
             model=ModelConfig(a.model, a.tokenizer, a.dtype, a.max_model_len, a.seed),
-            cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override),
+            cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override, a.enable_prefix_caching),
             scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill),
             attention_backend=a.attention_backend,
             compilation_cache_dir=a.compilation_cache_dir,

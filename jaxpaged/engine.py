@@ -81,7 +81,7 @@ class LLMEngine:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
                              f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}).")
         self.cache_info = CacheInfo(num_blocks, cc.block_size, bytes_per_block)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=cc.block_size, dtype=dtype,
                                   max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -101,7 +101,7 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Validate one request and build its state without queueing it (raises ``ValueError``)."""
         sp = sampling_params or SamplingParams()
         if isinstance(prompt, str):
@@ -123,12 +123,13 @@ class LLMEngine:
                              f"({self.max_model_len}); lower max_tokens to at most {room}.")
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                       seed=seed, eos_token_id=self.tokenizer.eos_token_id, prompt=text,
+                       seed=seed, eos_token_id=self.tokenizer.eos_token_id, cache_salt=cache_salt, prompt=text,
                        arrival_time=arrival_time if arrival_time is not None else time.time())
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
-        req = self.make_request(request_id, prompt, sampling_params, arrival_time)
+                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        req = self.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt)
         self.add_prepared_request(req)
         return req
 

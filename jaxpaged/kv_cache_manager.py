@@ -5,24 +5,58 @@ step, so it must be cheap and must never touch the device. The device-side page 
 is indexed by the block ids handed out here; block 0 is reserved as the null block that
 padding rows point at, so it is never given to a request.
 
-The pool is shaped for prefix caching, added later without rewriting it: a block is
-freed by dropping its reference count, and a block reaching 0 goes to the *tail* of
-an ordered free queue while allocation pops from the *head*. Freed blocks therefore
-stay intact for as long as possible (least recently freed is reused first, i.e. LRU
-eviction), and a request's blocks are freed last-block-first so that its shared prefix
-outlives its private tail. Ref counts already allow several holders of one block (forks,
-copy-on-write).
+Automatic prefix caching: every full block is identified by a SHA-256 digest chained
+over (parent block's digest, the block's token ids), with a per-request salt folded into
+the chain's root. A new request reuses the physical blocks of its longest cached prefix
+(ref count + 1) and computes only the rest. Freed blocks keep their contents and their
+digest: a block reaching ref count 0 goes to the *tail* of an ordered free queue while
+allocation pops from the *head*, so the least recently freed block is evicted first (LRU),
+and a request's blocks are freed last-block-first so its shared prefix outlives its tail.
+A hit is also verified exactly: the cached block's token ids must equal the request's,
+and its parent must be the very block (same physical id, not overwritten since) that the
+request matched one step earlier; so even a digest collision cannot hand a request
+another prefix's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from jaxpaged.request import Request
 
 NULL_BLOCK_ID = 0
 """Reserved block that padding rows of a batch point at; never handed out."""
+
+BlockHash = bytes
+ParentKey = bytes | tuple[int, int]
+"""What a cached block was computed after: the chain root's digest for a first block, else
+(parent block id, parent generation)."""
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Chained digest of one full block: collision-resistant, so equal digests mean equal prefixes."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The chain's root: requests with different salts never share a block."""
+    return hashlib.sha256(b"jaxpaged-prefix-root" + (cache_salt or "").encode()).digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Token counts for the prefix-cache hit rate (hits / queries)."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockPool:
@@ -40,6 +74,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._block_key: list[tuple[BlockHash, tuple[int, ...], ParentKey] | None] = [None] * num_blocks
+        self._generation = [0] * num_blocks    # bumped whenever a block's contents are replaced
 
     @property
     def num_usable_blocks(self) -> int:
@@ -54,9 +91,37 @@ class BlockPool:
         """Fraction of usable blocks held by at least one owner."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
+
+    def parent_key(self, block_id: int) -> ParentKey:
+        return (block_id, self._generation[block_id])
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int], parent: ParentKey) -> int | None:
+        """The cached block holding exactly these tokens after exactly this parent, if any."""
+        b = self._cached.get(block_hash)
+        if b is None or self._block_key[b] != (block_hash, tuple(token_ids), parent):
+            return None
+        return b
+
+    def cache(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], parent: ParentKey) -> None:
+        """Publish a full block under its digest; an existing entry for the digest is kept."""
+        if self._block_key[block_id] is None and block_hash not in self._cached:
+            self._cached[block_hash] = block_id
+            self._block_key[block_id] = (block_hash, tuple(token_ids), parent)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one owner to each (cached) block, taking free ones out of the free queue."""
+        for b in block_ids:
+            self._check_id(b)
+            if self._ref_counts[b] == 0:
+                del self._free_queue[b]
+            self._ref_counts[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue, each with ref count 1."""
@@ -67,6 +132,11 @@ class BlockPool:
         block_ids = [self._free_queue.popitem(last=False)[0] for _ in range(n)]
         for b in block_ids:
             self._ref_counts[b] = 1
+            self._generation[b] += 1
+            key = self._block_key[b]
+            if key is not None:               # evict: its contents are about to be overwritten
+                del self._cached[key[0]]
+                self._block_key[b] = None
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -106,11 +176,18 @@ class KVCacheManager:
     ``[i * block_size, (i + 1) * block_size)``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 hash_fn: Callable[[BlockHash, Sequence[int]], BlockHash] = hash_block) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.stats = PrefixCacheStats()
+        self._hash_fn = hash_fn
+        # Per request: digests of its full blocks so far, and how many of them are published.
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_published: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,9 +212,63 @@ class KVCacheManager:
         if missing > self.pool.num_free_blocks:
             return False
         request.block_ids.extend(self.pool.allocate(missing))
+        if self.enable_caching:
+            self._publish_full_blocks(request, total)
         return True
+
+    def get_computed_blocks(self, request: Request) -> int:
+        """Give a request with no blocks yet the cached blocks of its longest cached prefix.
+
+        Sets ``request.block_ids`` and ``request.num_computed_tokens``; returns the tokens hit.
+        At least the last known token is always left to compute (its logits are needed).
+        """
+        if not self.enable_caching or request.block_ids:
+            return 0
+        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        hits = []
+        for i, h in enumerate(hashes):
+            b = self.pool.lookup(h, self._block_tokens(request, i), self._parent_key(request, hits, i))
+            if b is None:
+                break
+            hits.append(b)
+        self.pool.touch(hits)
+        request.block_ids.extend(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+        self._num_published[request.request_id] = len(hits)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += request.num_computed_tokens
+        return request.num_computed_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, and clear its block table."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
+        self._hashes.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
+
+    def _parent_key(self, request: Request, block_ids: list[int], i: int) -> ParentKey:
+        return root_hash(request.cache_salt) if i == 0 else self.pool.parent_key(block_ids[i - 1])
+
+    def _block_tokens(self, request: Request, i: int) -> list[int]:
+        return request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
+
+    def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
+        """The request's chained block digests, extended (never recomputed) up to ``num_full``."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        for i in range(len(hashes), num_full):
+            parent = self._hash_fn(parent, self._block_tokens(request, i))
+            hashes.append(parent)
+        return hashes[:num_full]
+
+    def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache every block that is full once this step's tokens are written."""
+        num_full = num_tokens // self.block_size
+        done = self._num_published.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(done, num_full):
+            self.pool.cache(request.block_ids[i], hashes[i], self._block_tokens(request, i),
+                            self._parent_key(request, request.block_ids, i))
+        self._num_published[request.request_id] = num_full

@@ -47,6 +47,8 @@ class Request:
     seed: int
     """Resolved sampling seed (the user's, or one the engine drew)."""
     eos_token_id: int | None = None
+    cache_salt: str | None = None
+    """Isolates prefix-cache sharing: only requests with the same salt share blocks."""
     prompt: str | None = None
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING

@@ -160,16 +160,16 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - request.num_computed_tokens,
                           self.max_model_len - request.num_computed_tokens)
             # Without chunked prefill a prompt runs whole; only a resumed request longer
             # than the entire budget (prompt + outputs) is split, the one way it can progress.
-            if (not self.config.enable_chunked_prefill and num_new > budget
-                    and num_new <= self.config.max_num_batched_tokens):
+            if ((not self.config.enable_chunked_prefill and budget < num_new <= self.config.max_num_batched_tokens)
+                    or not kv.allocate_slots(request, min(num_new, budget))):
+                self._release_prefix_hit(request)
                 break
             num_new = min(num_new, budget)
-            if not kv.allocate_slots(request, num_new):
-                break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -189,6 +189,11 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _release_prefix_hit(self, request: Request) -> None:
+        """Undo ``get_computed_blocks`` for a request that stays waiting this step."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
