@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.kv_cache_manager import KVCacheManager
-from jaxpaged.model_runner import ModelRunner
-from jaxpaged.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from jaxpaged.model_runner import ModelRunner, StepOutput
+from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -29,6 +29,55 @@ from models.registry import build_model
 from pallas_kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 64) - 1
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request (sample 0 keeps the request's seed): a splitmix64 step,
+    so samples of one request, and of requests with nearby seeds, draw unrelated streams."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return z ^ (z >> 31)
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string (held back
+    while streaming: the next tokens may complete the stop string, and it must never be sent)."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class _UnspacedSpecialsDetokenizer(IncrementalDetokenizer):
+    """``spaces_between_special_tokens=False``: added tokens are decoded on their own and joined to
+    the surrounding text with no separator, whatever spaces the tokenizer's decoder would put there."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        self._added = {i: t.content for i, t in tokenizer.hf.added_tokens_decoder.items()}
+        super().__init__(tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        pieces, run = [], []
+        for t in token_ids:
+            if t not in self._added:
+                run.append(t)
+                continue
+            if run:
+                pieces.append(super()._decode(run))
+                run = []
+            if not (self._skip_special_tokens and t in self._tokenizer.all_special_ids):
+                pieces.append(self._added[t])
+        if run:
+            pieces.append(super()._decode(run))
+        return "".join(pieces)
 
 
 @dataclass(frozen=True)
@@ -88,6 +137,9 @@ class LLMEngine:
                                   max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
         self._seed_rng = random.Random(mc.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._groups: dict[str, Request] = {}
+        """Every live sample's request id -> the request it belongs to (the first sample)."""
+        self._token_text: dict[int, str] = {}
         self.load_time = time.perf_counter() - t0
         logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
                     mc.model, self.load_time, self.cache_info.num_usable_blocks, cc.block_size,
@@ -121,10 +173,22 @@ class LLMEngine:
         if max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                              f"({self.max_model_len}); lower max_tokens to at most {room}.")
-        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-        return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=sp, max_tokens=max_tokens,
-                       seed=seed, eos_token_id=self.tokenizer.eos_token_id, cache_salt=cache_salt, prompt=text,
-                       arrival_time=arrival_time if arrival_time is not None else time.time())
+        too_big = [t for t in [*sp.stop_token_ids, *sp.logit_bias] if t >= self.vocab_size]
+        if too_big:
+            raise ValueError(f"stop_token_ids and logit_bias keys must be token ids in [0, {self.vocab_size}); "
+                             f"got {too_big[:5]}.")
+        seed = (sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)) & _SEED_MASK
+        arrival = arrival_time if arrival_time is not None else time.time()
+        samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
+                           sampling_params=sp, max_tokens=max_tokens, seed=_sample_seed(seed, i),
+                           eos_token_id=self.tokenizer.eos_token_id, cache_salt=cache_salt, prompt=text,
+                           arrival_time=arrival,
+                           sample_index=i,
+                           output_top_logprobs=[] if sp.logprobs is not None else None,
+                           prompt_logprobs=[None] if i == 0 and sp.prompt_logprobs is not None else None)
+                   for i in range(sp.best_of)]
+        samples[0].forks = samples[1:]
+        return samples[0]
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -134,13 +198,41 @@ class LLMEngine:
         return req
 
     def add_prepared_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
-        self._detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
+        """Queue a request made by ``make_request`` with all its samples, or none of them."""
+        samples = [req, *req.forks]
+        if any(r.request_id in self._groups for r in samples):
+            raise ValueError(f"request id {req.request_id!r} is already in use; give each request a unique id.")
+        added = []
+        try:
+            for r in samples:
+                self.scheduler.add_request(r)
+                added.append(r)
+        except ValueError:
+            for r in added:
+                self.scheduler.abort_request(r.request_id)
+            raise
+        sp = req.sampling_params
+        detokenizer = IncrementalDetokenizer if sp.spaces_between_special_tokens else _UnspacedSpecialsDetokenizer
+        for r in samples:
+            self._detokenizers[r.request_id] = detokenizer(self.tokenizer, r.prompt_token_ids,
+                                                           sp.skip_special_tokens)
+            self._groups[r.request_id] = req
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id)
-        self._detokenizers.pop(request_id, None)
+        """Abort a request (all its samples)."""
+        parent = self._groups.get(request_id)
+        if parent is None:
+            self.scheduler.abort_request(request_id)
+            return
+        for r in [parent, *parent.forks]:
+            self.scheduler.abort_request(r.request_id)
+        self._forget(parent)
+
+    def _forget(self, parent: Request) -> None:
+        """Drop the per-sample state of a request that finished or was aborted."""
+        for r in [parent, *parent.forks]:
+            self._detokenizers.pop(r.request_id, None)
+            self._groups.pop(r.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -151,59 +243,117 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        tokens, logprobs = self.runner.execute(out)
+        res = self.runner.execute(out)
         now = time.time()
-        outputs = []
+        self._record_prompt_logprobs(out.requests, res)
+        sampled = res.sampled
+        touched: dict[str, Request] = {}
         for i, req in enumerate(out.requests):
             if out.start_positions[i] + out.num_new_tokens[i] < req.num_tokens:
                 continue                            # a prefill chunk that is not the prompt's last
             if not req.output_token_ids:
                 req.first_token_time = now
-            req.output_token_ids.append(int(tokens[i]))
-            req.output_logprobs.append(float(logprobs[i]))
+            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
+            req.output_token_ids.append(token)
+            req.output_logprobs.append(logprob)
+            if req.output_top_logprobs is not None:
+                k = req.sampling_params.logprobs
+                req.output_top_logprobs.append(self._token_logprobs(
+                    token, logprob, int(sampled.ranks[i]), sampled.top_ids[i, :k], sampled.top_logprobs[i, :k]))
             status = self._check_stop(req)
             if status is not None:
                 req.finished_time = now
                 self.scheduler.finish_request(req, status)
-            outputs.append(self._make_output(req))
-            if status is not None:
-                del self._detokenizers[req.request_id]
+            parent = self._groups[req.request_id]
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            output = self._make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if output is not None and output.finished:
+                self._forget(parent)
         return outputs
 
+    def _record_prompt_logprobs(self, reqs: list[Request], res: StepOutput) -> None:
+        """Append this step's scored prompt positions (consecutive, in order, per row)."""
+        if res.prompt is None:
+            return
+        p = res.prompt
+        for j, row in enumerate(res.prompt_rows.tolist()):
+            req = reqs[row]
+            k = req.sampling_params.prompt_logprobs
+            req.prompt_logprobs.append(self._token_logprobs(
+                int(p.tokens[j]), float(p.logprobs[j]), int(p.ranks[j]), p.top_ids[j, :k], p.top_logprobs[j, :k]))
+
+    def _token_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> TokenLogprobs:
+        """vLLM's per-position dict: the chosen (or prompt) token first, then the top-N by rank."""
+        ids = [token, *(int(t) for t in top_ids)]
+        missing = [t for t in ids if t not in self._token_text]
+        for t in missing:
+            self._token_text[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+        entries = {token: Logprob(logprob, rank, self._token_text[token])}
+        for r, (t, lp) in enumerate(zip(ids[1:], top_logprobs.tolist()), start=1):
+            entries.setdefault(t, Logprob(lp, r, self._token_text[t]))
+        return entries
+
     def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Detokenize the new token and decide whether the sample is done (vLLM's rules and order)."""
         sp = req.sampling_params
         token = req.output_token_ids[-1]
         detok = self._detokenizers[req.request_id]
-        delta = detok.step([token])
-        if token == req.eos_token_id and not sp.ignore_eos:
+        before = len(detok.text)
+        detok.step([token])
+        if req.num_output_tokens < sp.min_tokens:
+            return None
+        eos = token == req.eos_token_id and not sp.ignore_eos
+        if eos or token in sp.stop_token_ids:
+            req.stop_reason = None if eos else token
+            if not sp.include_stop_str_in_output:
+                req.output_text_end = before        # the stop token's own text is not output
             return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
-            req.stop_reason = token
+        text = detok.text
+        hits = [(at, stop) for stop in sp.stop
+                if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if hits:
+            at, stop = min(hits, key=lambda h: h[0])
+            req.stop_reason = stop
+            req.output_text_end = at + len(stop) if sp.include_stop_str_in_output else at
             return RequestStatus.FINISHED_STOPPED
-        for stop in sp.stop:
-            at = detok.text.find(stop, max(0, len(detok.text) - len(delta) - len(stop) + 1))
-            if at >= 0:
-                req.stop_reason = stop
-                req.output_text_end = at + len(stop) if sp.include_stop_str_in_output else at
-                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, req: Request) -> RequestOutput:
-        text = self._detokenizers[req.request_id].text
-        if req.output_text_end is not None:
-            text = text[:req.output_text_end]
-        want_logprobs = req.sampling_params.logprobs is not None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
+    def _completion(self, req: Request) -> CompletionOutput:
+        """One sample's output; while it runs, text that may begin a stop string is held back."""
+        sp = req.sampling_params
+        text = self._detokenizers[req.request_id].text[:req.output_text_end]
+        if not req.is_finished and sp.stop and not sp.include_stop_str_in_output:
+            text = text[:len(text) - _stop_prefix_len(text, sp.stop)]
+        delta_text, req.num_text_sent = text[req.num_text_sent:], len(text)
+        delta_ids, req.num_tokens_sent = req.output_token_ids[req.num_tokens_sent:], req.num_output_tokens
+        return CompletionOutput(
+            index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=float(sum(req.output_logprobs)),
-            logprobs=[{t: lp} for t, lp in zip(req.output_token_ids, req.output_logprobs)] if want_logprobs else None,
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason)
-        metrics = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            metrics["first_token_time"] = req.first_token_time
-        if req.finished_time is not None:
-            metrics["finished_time"] = req.finished_time
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             finished=req.is_finished, metrics=metrics)
+            logprobs=None if req.output_top_logprobs is None else list(req.output_top_logprobs),
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            delta_text=delta_text, delta_token_ids=delta_ids)
+
+    def _make_output(self, parent: Request) -> RequestOutput | None:
+        """The request's output, or None while ``best_of > n`` samples run (the best are only known at the end)."""
+        samples = [parent, *parent.forks]
+        sp = parent.sampling_params
+        finished = all(r.is_finished for r in samples)
+        if sp.best_of > sp.n:
+            if not finished:
+                return None
+            samples = sorted(samples, key=lambda r: sum(r.output_logprobs), reverse=True)[:sp.n]
+        metrics = {"arrival_time": parent.arrival_time}
+        first = [r.first_token_time for r in samples if r.first_token_time is not None]
+        if first:
+            metrics["first_token_time"] = min(first)
+        if finished:
+            metrics["finished_time"] = max(r.finished_time or 0.0 for r in samples)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             [self._completion(r) for r in samples], finished=finished, metrics=metrics,
+                             prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs))

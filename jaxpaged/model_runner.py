@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.sampler import SamplingTensors, sample
+from jaxpaged.request import Request
+from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from models.registry import BuiltModel
 from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks
@@ -28,6 +30,10 @@ logger = logging.getLogger(__name__)
 PREFILL_TILE = 64
 # Bucket floors: padding a small batch up to these costs little and saves compiled programs.
 MIN_TOKENS, MIN_ROWS, MIN_CONTEXT, MIN_TILES = 16, 8, 256, 4
+# Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
+# and prompt positions scored for prompt logprobs.
+MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
+_SEED_MASK = (1 << 64) - 1
 
 
 def _bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -38,35 +44,78 @@ def _bucket(n: int, cap: int, floor: int = 1) -> int:
 
 @dataclass
 class StepBatch:
-    """Host arrays of one step, already padded to bucket shapes."""
+    """Host arrays of one step, already padded to bucket shapes.
+
+    ``logits_indices`` holds the ``R_b`` sampled rows' last tokens, then the (padded) prompt
+    positions whose next-token logprobs were asked for: ``prompt_targets`` are those next tokens,
+    ``prompt_rows`` (unpadded) their batch rows.
+    """
 
     input_ids: np.ndarray
     positions: np.ndarray
     md: AttentionMetadata
     logits_indices: np.ndarray
     sampling: SamplingTensors
+    prompt_targets: np.ndarray
+    prompt_rows: np.ndarray
     num_rows: int
-    all_greedy: bool
-    use_top_k_top_p: bool
+    flags: SamplerFlags
 
     @property
-    def program_key(self) -> tuple:
-        return (self.input_ids.shape[0], self.logits_indices.shape[0], self.md.block_tables.shape[1],
-                self.md.tile_row.shape[0], self.md.tile_size, self.all_greedy, self.use_top_k_top_p)
+    def program_keys(self) -> tuple[tuple, tuple]:
+        """The shapes (and flags) that select the compiled forward and sampler programs."""
+        st = self.sampling
+        forward = ("forward", self.input_ids.shape[0], self.logits_indices.shape[0], self.md.block_tables.shape[1],
+                   self.md.tile_row.shape[0], self.md.tile_size)
+        sampler = ("sampler", self.logits_indices.shape[0], self.prompt_targets.shape[0], self.flags,
+                   st.penalty_rows.shape[0], st.bias_rows.shape[0])
+        return forward, sampler
 
 
-@functools.partial(jax.jit, static_argnames=("module", "all_greedy", "use_top_k_top_p"),
-                   donate_argnames=("kv_pages",))
-def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, sampling, *,
-            all_greedy: bool, use_top_k_top_p: bool):
-    """The whole device step: forward over the ragged batch, KV written in place, then sampling.
+@dataclass
+class StepOutput:
+    """One step's sampler results on the host, trimmed to the batch's rows and prompt positions."""
+
+    sampled: SamplerOutput
+    prompt: SamplerOutput | None
+    prompt_rows: np.ndarray
+    """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
+
+
+@functools.partial(jax.jit, static_argnames=("module",), donate_argnames=("kv_pages",))
+def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices):
+    """The model part of the step: forward over the ragged batch, KV written in place, logits out.
 
     Module-level (the Flax module is a static, hashable argument) so engines with the same
     model share compiled programs.
     """
     logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices)
-    tokens, logprobs = sample(logits, sampling, all_greedy=all_greedy, use_top_k_top_p=use_top_k_top_p)
-    return kv_pages, tokens, logprobs
+    return kv_pages, logits
+
+
+@functools.partial(jax.jit, static_argnames=("flags",))
+def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags):
+    """The sampling part of the step, on the device-resident logits: the sampled rows first, then
+    the prompt positions scored for prompt logprobs. A program of its own, so the sampler's
+    variants (flags) and the model's (shapes) are compiled independently, not as their product."""
+    R = sampling.temperature.shape[0]
+    sampled = sample(logits[:R], sampling, flags)
+    prompt = (prompt_logprobs(logits[R:], prompt_targets, max(flags.num_logprobs, 0))
+              if prompt_targets.shape[0] else None)
+    return sampled, prompt
+
+
+def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
+    """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
+    a = np.full(size, fill, values.dtype)
+    a[:len(values)] = values
+    return a
+
+
+def _logprobs_width(n: int) -> int:
+    """Top logprobs computed for the batch: none beyond the chosen token's, or the most allowed
+    (two variants only: a top-20 costs little more than a top-1)."""
+    return 0 if n == 0 else MAX_LOGPROBS
 
 
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
@@ -128,47 +177,122 @@ class ModelRunner:
         md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
                                tile_len=tile_len, tile_size=tile)
-        logits_indices = np.zeros(R_b, np.int32)
+        prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(reqs, starts, n, qsl)
+        NP = len(prompt_idx)
+        NP_b = 0 if NP == 0 else _bucket(NP, 1 << 30, floor=MIN_PROMPT_POSITIONS)
+        logits_indices = np.zeros(R_b + NP_b, np.int32)
         logits_indices[:R] = qsl[1:R + 1] - 1
-        return StepBatch(input_ids, positions, md, logits_indices, *self._sampling_arrays(reqs, seq_lens, R_b))
+        logits_indices[R_b:R_b + NP] = prompt_idx
+        targets = _padded(prompt_targets, NP_b, 0)
+        sampling, flags = self._sampling_arrays(reqs, seq_lens, R_b, prompt_rows)
+        return StepBatch(input_ids, positions, md, logits_indices, sampling, targets, prompt_rows, R, flags)
 
     @staticmethod
-    def _sampling_arrays(reqs, seq_lens: np.ndarray, R_b: int) -> tuple[SamplingTensors, int, bool, bool]:
+    def _prompt_logprob_positions(reqs: list[Request], starts: np.ndarray, n: np.ndarray, qsl: np.ndarray
+                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flat token indices, next prompt tokens and rows of the prompt positions still to score.
+
+        Position ``p`` scores ``prompt[p + 1]``. Positions already scored (``len(prompt_logprobs) - 1``
+        of them) are skipped, so a recomputed (preempted) prompt is not scored twice.
+        """
+        idx, targets, rows = [], [], []
+        for i, r in enumerate(reqs):
+            if r.prompt_logprobs is None:
+                continue
+            s = int(starts[i])
+            lo, hi = max(s, len(r.prompt_logprobs) - 1), min(s + int(n[i]), r.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            idx.append(np.arange(lo, hi, dtype=np.int32) - s + qsl[i])
+            targets.append(np.asarray(r.prompt_token_ids[lo + 1:hi + 1], np.int32))
+            rows.append(np.full(hi - lo, i, np.int32))
+        if not idx:
+            return (np.zeros(0, np.int32),) * 3
+        return np.concatenate(idx), np.concatenate(targets), np.concatenate(rows)
+
+    @staticmethod
+    def _sampling_arrays(reqs: list[Request], seq_lens: np.ndarray, R_b: int, prompt_rows: np.ndarray
+                         ) -> tuple[SamplingTensors, SamplerFlags]:
+        """Per-row parameters, the compact penalty and bias lists, and the flags of the batch."""
         R = len(reqs)
-        temperature = np.zeros(R_b, np.float32)
+        f32 = np.float32
+        temperature, top_p, min_p = np.zeros(R_b, f32), np.ones(R_b, f32), np.zeros(R_b, f32)
+        presence, frequency, repetition = np.zeros(R_b, f32), np.zeros(R_b, f32), np.ones(R_b, f32)
         top_k = np.zeros(R_b, np.int32)
-        top_p = np.ones(R_b, np.float32)
         seeds = np.zeros(R_b, np.uint64)
+        pen_rows, pen_tokens, pen_is_output = [], [], []
+        bias_rows, bias_tokens, bias_values = [], [], []
+        width = -1
         for i, r in enumerate(reqs):
             sp = r.sampling_params
-            temperature[i] = sp.temperature
-            top_k[i] = max(sp.top_k, 0)
-            top_p[i] = sp.top_p
-            seeds[i] = r.seed
+            temperature[i], top_p[i], min_p[i], top_k[i] = sp.temperature, sp.top_p, sp.min_p, max(sp.top_k, 0)
+            presence[i], frequency[i], repetition[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+            seeds[i] = r.seed & _SEED_MASK
+            if sp.needs_penalties:
+                out = np.asarray(r.output_token_ids, np.int32)
+                prompt = (np.asarray(r.prompt_token_ids, np.int32) if sp.repetition_penalty != 1.0
+                          else np.zeros(0, np.int32))
+                pen_tokens += [prompt, out]
+                pen_is_output += [np.zeros(len(prompt), bool), np.ones(len(out), bool)]
+                pen_rows.append(np.full(len(prompt) + len(out), i, np.int32))
+            bias = dict(sp.logit_bias)
+            if r.num_output_tokens < sp.min_tokens:
+                # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
+                masked = set(sp.stop_token_ids)
+                if r.eos_token_id is not None and not sp.ignore_eos:
+                    masked.add(r.eos_token_id)
+                bias.update(dict.fromkeys(masked, -np.inf))
+            if bias:
+                bias_rows += [i] * len(bias)
+                bias_tokens += bias.keys()
+                bias_values += bias.values()
+            if r.output_top_logprobs is not None:
+                width = max(width, sp.logprobs)
+        if len(prompt_rows):
+            width = max(width, max(reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())))
         position = np.zeros(R_b, np.int32)
         position[:R] = seq_lens
-        st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32),
-                             seed_hi=(seeds >> 32).astype(np.uint32), position=position)
-        sampled = temperature > 0
-        all_greedy = not sampled.any()
-        use_top_k_top_p = bool(((top_k > 0) | (top_p < 1.0))[sampled].any())
-        return st, R, all_greedy, use_top_k_top_p
 
-    def execute(self, out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step; returns the sampled token ids and their logprobs for ``out.requests``."""
+        n_pen = sum(len(a) for a in pen_rows)
+        Np = 0 if not pen_rows else _bucket(n_pen, 1 << 30, floor=MIN_PENALTY_PAIRS)
+        Nb = 0 if not bias_rows else _bucket(len(bias_rows), 1 << 30, floor=MIN_BIAS_ENTRIES)
+        cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
+        st = SamplingTensors(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+            frequency_penalty=frequency, repetition_penalty=repetition,
+            seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
+            position=position,
+            penalty_rows=_padded(cat(pen_rows, np.int32), Np, R_b),
+            penalty_tokens=_padded(cat(pen_tokens, np.int32), Np, 0),
+            penalty_is_output=_padded(cat(pen_is_output, bool), Np, False),
+            bias_rows=_padded(np.asarray(bias_rows, np.int32), Nb, R_b),
+            bias_tokens=_padded(np.asarray(bias_tokens, np.int32), Nb, 0),
+            bias_values=_padded(np.asarray(bias_values, np.float32), Nb, 0.0))
+        sampled = temperature > 0
+        flags = SamplerFlags(
+            all_greedy=not sampled.any(), penalties=bool(pen_rows), bias=bool(bias_rows),
+            top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
+            num_logprobs=-1 if width < 0 else _logprobs_width(width))
+        return st, flags
+
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Run one step; returns the sampled tokens (with logprobs) for ``out.requests``."""
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
         b = self.prepare(out)
-        if b.program_key not in self.program_keys:
-            self.program_keys.add(b.program_key)
-            logger.debug("compiling step program %s", b.program_key)
-        dev = jax.device_put((b.input_ids, b.positions, b.md, b.logits_indices, b.sampling))
-        self.kv_pages, tokens, logprobs = step_fn(self.model.module, self.model.params, self.kv_pages, *dev,
-                                                     all_greedy=b.all_greedy,
-                                                     use_top_k_top_p=b.use_top_k_top_p)
-        tokens, logprobs = jax.device_get((tokens, logprobs))
-        return tokens[:b.num_rows], logprobs[:b.num_rows]
+        for key in b.program_keys:
+            if key not in self.program_keys:
+                self.program_keys.add(key)
+                logger.debug("compiling step program %s", key)
+        inputs, sampling, targets = jax.device_put(
+            ((b.input_ids, b.positions, b.md, b.logits_indices), b.sampling, b.prompt_targets))
+        self.kv_pages, logits = step_fn(self.model.module, self.model.params, self.kv_pages, *inputs)
+        sampled, prompt = jax.device_get(sample_fn(logits, sampling, targets, flags=b.flags))
+        R, P = b.num_rows, len(b.prompt_rows)
+        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
+        if prompt is not None:
+            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
+        return StepOutput(sampled, prompt, b.prompt_rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         P = _bucket(len(pairs), 1 << 30)

@@ -15,6 +15,22 @@ from dataclasses import dataclass, field
 from jaxpaged.sampling_params import SamplingParams
 
 
+@dataclass
+class Logprob:
+    """One token's log probability under the raw model distribution (vLLM's ``Logprob``).
+
+    ``rank`` is 1 for the most likely token; ``decoded_token`` is the token on its own, as text.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""The chosen (or prompt) token and the requested top-N alternatives at one position."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,13 +70,27 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    """The chosen tokens' logprobs, always kept: ``best_of`` ranks samples by their sum."""
+    output_top_logprobs: list[TokenLogprobs] | None = None
+    """Per generated token, when ``sampling_params.logprobs`` is set."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """``[None, lp(prompt[1]), ...]`` as far as computed, when this request computes prompt logprobs."""
+    sample_index: int = 0
+    """Which of the request's ``best_of`` samples this is (``forks`` holds samples 1..best_of-1)."""
+    forks: list["Request"] = field(default_factory=list)
+    """The other samples of an ``n``/``best_of`` > 1 request: independent requests for now, each
+    recomputing the prompt; block sharing with copy-on-write will replace this."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     """Physical KV blocks, in logical order; filled by the KVCacheManager."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_text_end: int | None = None
-    """Where the output text is cut when a stop string matched."""
+    """Where the output text is cut when a stop string or stop token ended it."""
+    num_text_sent: int = 0
+    """Characters of output text already reported (streaming deltas)."""
+    num_tokens_sent: int = 0
+    """Output tokens already reported (streaming deltas)."""
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -100,11 +130,17 @@ class CompletionOutput:
 
     index: int
     text: str
+    """The output text so far; while unfinished, a tail that may begin a stop string is held back."""
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[float] | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the output (None for EOS or length)."""
+    delta_text: str = ""
+    """Text added since this sequence's previous output (what a streaming server sends)."""
+    delta_token_ids: list[int] = field(default_factory=list)
+    """Token ids added since this sequence's previous output."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -120,3 +156,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt token (the first is None), when ``prompt_logprobs`` was asked for."""

@@ -1,9 +1,24 @@
 """On-device sampling of one token per row, with per-row parameters and no Python loop.
 
+The pipeline follows vLLM: raw logprobs are taken first; then ``logit_bias`` and the
+``min_tokens`` mask (one sparse scatter), the repetition / frequency / presence penalties
+(token counts scattered on device from a compact list of (row, token) pairs), greedy
+argmax; for sampled rows temperature, ``min_p``, ``top_k`` and ``top_p``, and a draw.
+
+Costs on CPU shape the choices: a full sort of a [256, 49152] batch takes seconds and a
+full-vocabulary cumsum a quarter of a second here, so neither is used. ``top_k``/``top_p``
+thresholds come from the row's ``CANDIDATES`` largest logits, which settle most rows
+exactly; rows they do not settle (``top_k`` above ``CANDIDATES``, or a nucleus wider than
+that) get the exact threshold by bisection over the float bit patterns, run only when some
+row needs it. Filters are per-row thresholds on the scaled logits rather than masked copies
+of the batch. The draw is an inverse CDF over two levels (block sums, then one block), one
+uniform number per row; argmax also goes through block maxima.
+
 Randomness comes from each request's seed folded with the position of the token being
-sampled, so a seeded request draws the same tokens whatever batch or step it lands in.
-Sampling uses one uniform number per row and the inverse CDF, not a vocabulary-sized
-noise draw.
+sampled, and every operation is row-wise, so a seeded request draws the same tokens
+whatever batch or step it lands in. Static ``SamplerFlags`` switch whole stages on or off
+for the batch, which bounds the number of compiled variants; the sampler is its own jitted
+program, so a new combination of flags never recompiles the model.
 """
 
 from __future__ import annotations
@@ -13,61 +28,297 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+CANDIDATES = 64
+"""Largest logits per row examined for top-k/top-p before falling back to bisection."""
+DRAW_BLOCK = 256
+"""Vocabulary block of the two-level inverse CDF and argmax (smaller if it does not divide V)."""
+_ROW_CHUNK = 8
+"""Rows bisected together: a chunk of rows stays in cache across the 32 passes."""
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """Which stages the batch needs; static, so each combination is one compiled program."""
+
+    all_greedy: bool = True
+    penalties: bool = False
+    bias: bool = False
+    top_k_top_p: bool = False
+    num_logprobs: int = -1
+    """-1: no row wants logprobs; else how many top logprobs to compute per row."""
+
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingTensors:
-    """Per-row sampling inputs (padding rows: temperature 0)."""
+    """Per-row sampling inputs (padding rows: temperature 0, no penalties) and compact lists.
 
-    temperature: jax.Array   # [R] f32; 0 = greedy
-    top_k: jax.Array         # [R] int32; 0 = off
-    top_p: jax.Array         # [R] f32; 1 = off
-    seed_lo: jax.Array       # [R] uint32
-    seed_hi: jax.Array       # [R] uint32
-    position: jax.Array      # [R] int32: sequence index of the token being sampled
+    Penalty and bias lists are flat, padded with row index ``R`` (out of range: dropped).
+    """
+
+    temperature: jax.Array         # [R] f32; 0 = greedy
+    top_k: jax.Array               # [R] int32; 0 = off
+    top_p: jax.Array               # [R] f32; 1 = off
+    min_p: jax.Array               # [R] f32; 0 = off
+    presence_penalty: jax.Array    # [R] f32
+    frequency_penalty: jax.Array   # [R] f32
+    repetition_penalty: jax.Array  # [R] f32
+    seed_lo: jax.Array             # [R] uint32
+    seed_hi: jax.Array             # [R] uint32
+    position: jax.Array            # [R] int32: sequence index of the token being sampled
+    penalty_rows: jax.Array        # [Np] int32
+    penalty_tokens: jax.Array      # [Np] int32
+    penalty_is_output: jax.Array   # [Np] bool: an output token (else a prompt token)
+    bias_rows: jax.Array           # [Nb] int32
+    bias_tokens: jax.Array         # [Nb] int32
+    bias_values: jax.Array         # [Nb] f32 (-inf masks a token)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    """Sampled tokens with their raw logprobs; with ``num_logprobs`` = N >= 0, ranks and top N."""
+
+    tokens: jax.Array        # [R] int32
+    logprobs: jax.Array      # [R] f32: log_softmax(raw logits)[token]
+    ranks: jax.Array         # [R] int32 (1 = most likely), or [0] without logprobs
+    top_ids: jax.Array       # [R, N] int32
+    top_logprobs: jax.Array  # [R, N] f32
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """A 32-bit integer finalizer (xorshift-multiply rounds) with full avalanche."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
 
 
 def _row_uniform(seed_lo: jax.Array, seed_hi: jax.Array, position: jax.Array) -> jax.Array:
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
-    return jax.random.uniform(key, (), jnp.float32)
+    """Uniform in [0, 1) from (seed, position) alone: a counter-based hash, so a row's draw depends
+    on nothing else in the batch. (Threefry via ``jax.random`` added a second of compile time to
+    every sampler program on CPU.)"""
+    h = _mix32(position.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
+    h = _mix32(h ^ seed_hi)
+    h = _mix32(_mix32(h ^ seed_lo) + jnp.uint32(0x632BE5AB))
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
-def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside each row's top-k and nucleus (top-p); one sort of the batch."""
-    V = logits.shape[-1]
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    ranks = jnp.arange(V)[None, :]
-    sorted_logits = jnp.where(ranks < k[:, None], sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = cum_before < top_p[:, None]          # always keeps the top token
-    n_keep = jnp.sum(keep, axis=-1)
-    pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+def _prefix_sums(w: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last (short) axis, as a product with a triangular matrix:
+    far cheaper to compile than ``jnp.cumsum`` on CPU. Not guaranteed monotone to the last ulp,
+    so callers never rely on that."""
+    n = w.shape[-1]
+    return jnp.dot(w, jnp.triu(jnp.ones((n, n), w.dtype)), precision=jax.lax.Precision.HIGHEST)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, all_greedy: bool, use_top_k_top_p: bool
-           ) -> tuple[jax.Array, jax.Array]:
-    """Returns ``(token_ids[R] int32, logprobs[R] f32)``; logprobs are of the raw model distribution."""
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        tokens = greedy
-    else:
-        t = jnp.where(st.temperature > 0, st.temperature, 1.0)
-        scaled = logits / t[:, None]
-        if use_top_k_top_p:
-            scaled = _apply_top_k_top_p(scaled, st.top_k, st.top_p)
-        probs = jax.nn.softmax(scaled, axis=-1)
-        cdf = jnp.cumsum(probs, axis=-1)
-        u = jax.vmap(_row_uniform)(st.seed_lo, st.seed_hi, st.position) * cdf[:, -1]
-        drawn = jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), logits.shape[-1] - 1)
-        # Never pick a masked (zero-probability) token through rounding at the CDF's tail.
-        drawn = jnp.where(probs[jnp.arange(logits.shape[0]), drawn] > 0, drawn,
-                          jnp.argmax(scaled, axis=-1)).astype(jnp.int32)
-        tokens = jnp.where(st.temperature > 0, drawn, greedy)
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen
+def _first_true(mask: jax.Array, otherwise: jax.Array) -> jax.Array:
+    """Index of the first True per row, or ``otherwise`` where there is none."""
+    return jnp.where(mask.any(-1), jnp.argmax(mask, -1), otherwise)
+
+
+def _last_true(mask: jax.Array) -> jax.Array:
+    return mask.shape[-1] - 1 - jnp.argmax(mask[:, ::-1], -1)
+
+
+def _float_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered like the float32 values (for bisection over exact float thresholds)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
+
+
+def _key_float(k: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(0x7FFFFFFF), k), jnp.float32)
+
+
+def _midpoint(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """floor((lo + hi) / 2) without int32 overflow."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def _by_row_chunks(fn, *rows: jax.Array) -> jax.Array:
+    """``fn`` over chunks of rows in a device loop, so each chunk's passes stay in cache."""
+    R = rows[0].shape[0]
+    c = _ROW_CHUNK if R % _ROW_CHUNK == 0 else 1
+    out = jax.lax.map(lambda a: fn(*a), tuple(r.reshape(R // c, c, *r.shape[1:]) for r in rows))
+    return out.reshape(R, *out.shape[2:])
+
+
+def _bisect_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
+    """Exact k-th largest value per row: the largest v with #{x >= v} >= k (ties all kept)."""
+    keys = _float_key(x)
+    lo, hi = keys.min(-1), keys.max(-1) + 1      # #{>= lo} = V >= k; #{>= hi} = 0 < k
+
+    def body(_, c):
+        lo, hi = c
+        mid = _midpoint(lo, hi)
+        ok = jnp.sum(keys >= mid[:, None], -1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return _key_float(lo)
+
+
+def _bisect_top_p(x: jax.Array, e: jax.Array, target: jax.Array) -> jax.Array:
+    """Exact nucleus threshold per row: the smallest v whose strictly-larger mass is < target."""
+    keys = _float_key(x)
+    lo, hi = keys.min(-1) - 1, keys.max(-1)      # mass above lo = all >= target; above hi = 0
+
+    def body(_, c):
+        lo, hi = c
+        mid = _midpoint(lo, hi)
+        ok = jnp.sum(jnp.where(keys > mid[:, None], e, 0.0), -1) < target
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+    _, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return _key_float(hi)
+
+
+def _top_k_top_p_threshold(xs: jax.Array, m: jax.Array, floor: jax.Array, top_k: jax.Array,
+                           top_p: jax.Array) -> jax.Array:
+    """The smallest kept logit per row (-inf keeps all): top-k, then top-p on the renormalized rest.
+
+    ``xs`` holds temperature-scaled logits, ``m`` their row max, ``floor`` the min-p threshold.
+    Top-k and min-p keep upper sets of the same row, so their intersection is the larger threshold.
+    """
+    R, V = xs.shape
+    K = min(CANDIDATES, V)
+    rows = jnp.arange(R)
+    cand, _ = jax.lax.top_k(xs, K)                                   # [R, K] descending
+    neg_inf = jnp.float32(-jnp.inf)
+
+    k_fast = (top_k == 0) | (top_k <= K)
+    tau_k = jnp.where(top_k > 0, cand[rows, jnp.clip(top_k - 1, 0, K - 1)], neg_inf)
+    tau_k = jax.lax.cond(
+        jnp.all(k_fast), lambda: tau_k,
+        lambda: jnp.where(k_fast, tau_k, _by_row_chunks(_bisect_top_k, xs, jnp.minimum(top_k, V))))
+    t1 = jnp.maximum(floor, tau_k)
+
+    w = jnp.where(xs >= t1[:, None], jnp.exp(xs - m[:, None]), 0.0)
+    target = top_p * jnp.sum(w, -1)
+    cw = jnp.where(cand >= t1[:, None], jnp.exp(cand - m[:, None]), 0.0)
+    reached = _prefix_sums(cw) >= target[:, None]                    # the nucleus ends at the first True
+    use_p = top_p < 1.0
+    p_fast = ~use_p | reached[:, -1]
+    tau_p = jnp.where(use_p, cand[rows, jnp.argmax(reached, -1)], neg_inf)
+    tau_p = jax.lax.cond(
+        jnp.all(p_fast), lambda: tau_p,
+        lambda: jnp.where(p_fast, tau_p, _by_row_chunks(
+            _bisect_top_p, jnp.where(xs >= t1[:, None], xs, neg_inf), w, target)))
+    return jnp.maximum(t1, tau_p)
+
+
+def _blocks(x: jax.Array, fill: float) -> jax.Array:
+    """``x[R, V]`` as ``[R, B, L]`` vocabulary blocks (padded with ``fill`` only if no block size divides V).
+
+    XLA on CPU reduces a short minor axis much faster than it runs an argmax or a
+    select-heavy reduction over the whole row.
+    """
+    R, V = x.shape
+    L = next((b for b in (256, 128, 64) if V % b == 0), min(DRAW_BLOCK, V))
+    B = -(-V // L)
+    if B * L != V:
+        x = jnp.pad(x, ((0, 0), (0, B * L - V)), constant_values=fill)
+    return x.reshape(R, B, L)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (first maximum) through block maxima: a fraction of its cost on CPU."""
+    blocks = _blocks(x, -jnp.inf)
+    L = blocks.shape[2]
+    b = jnp.argmax(blocks.max(-1), -1)
+    inner = jnp.take_along_axis(blocks, b[:, None, None], 1)[:, 0]
+    return (b * L + jnp.argmax(inner, -1)).astype(jnp.int32)
+
+
+def _inverse_cdf(xs: jax.Array, m: jax.Array, tau: jax.Array, u: jax.Array) -> jax.Array:
+    """Index drawn with probability proportional to ``exp(xs - m)`` over ``xs >= tau``, for ``u`` in [0, 1).
+
+    Two levels: cumulative block sums pick a block, prefix sums inside it pick the token; only
+    blocks and tokens of non-zero weight can be picked, whatever the rounding.
+    """
+    blocks = _blocks(xs, -jnp.inf)
+    L = blocks.shape[2]
+
+    def weights(b: jax.Array) -> jax.Array:
+        return jnp.where(b >= tau.reshape((-1,) + (1,) * (b.ndim - 1)),
+                         jnp.exp(b - m.reshape((-1,) + (1,) * (b.ndim - 1))), 0.0)
+    sums = weights(blocks).sum(-1)                                   # [R, B]
+    csum = _prefix_sums(sums)
+    target = u * csum[:, -1]
+    nonzero = sums > 0
+    b = _first_true((csum > target[:, None]) & nonzero, _last_true(nonzero))
+    base = jnp.where(b > 0, jnp.take_along_axis(csum, jnp.maximum(b - 1, 0)[:, None], -1)[:, 0], 0.0)
+    inner = weights(jnp.take_along_axis(blocks, b[:, None, None], 1)[:, 0])  # [R, L]
+    nonzero = inner > 0
+    j = _first_true((_prefix_sums(inner) > (target - base)[:, None]) & nonzero, _last_true(nonzero))
+    return (b * L + j).astype(jnp.int32)
+
+
+def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Repetition penalty on tokens seen in prompt or output, then frequency and presence on output counts."""
+    zeros = jnp.zeros(x.shape, jnp.float32)
+    seen = zeros.at[st.penalty_rows, st.penalty_tokens].add(1.0, mode="drop") > 0
+    out_counts = zeros.at[st.penalty_rows, st.penalty_tokens].add(
+        st.penalty_is_output.astype(jnp.float32), mode="drop")
+    rep = jnp.where(seen, st.repetition_penalty[:, None], 1.0)
+    x = jnp.where(x > 0, x / rep, x * rep)
+    return (x - st.frequency_penalty[:, None] * out_counts
+            - st.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32))
+
+
+def _draw(x: jax.Array, st: SamplingTensors, top_k_top_p: bool) -> jax.Array:
+    t = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    xs = x / t[:, None]
+    m = jnp.max(xs, -1)
+    tau = m + jnp.log(st.min_p)                                      # p >= min_p * p_max; log(0) = -inf
+    if top_k_top_p:
+        tau = _top_k_top_p_threshold(xs, m, tau, st.top_k, st.top_p)
+    u = jax.vmap(_row_uniform)(st.seed_lo, st.seed_hi, st.position)
+    return _inverse_cdf(xs, m, tau, u)
+
+
+def _logsumexp(x: jax.Array) -> jax.Array:
+    m = jnp.max(x, -1)
+    return m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
+
+
+def _top_logprobs(raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rank of ``chosen`` (1 = best) and the ``n`` best (ids, logprobs) of each row."""
+    chosen_logit = jnp.take_along_axis(raw, chosen[:, None], -1)
+    ranks = (jnp.sum(raw > chosen_logit, -1) + 1).astype(jnp.int32)
+    vals, ids = jax.lax.top_k(raw, n)
+    return ranks, ids.astype(jnp.int32), vals - lse[:, None]
+
+
+def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> jax.Array:
+    """Logit bias and the min_tokens mask, then penalties: the logits greedy rows take the argmax of."""
+    x = logits
+    if flags.bias:
+        x = x.at[st.bias_rows, st.bias_tokens].add(st.bias_values, mode="drop")
+    if flags.penalties:
+        x = _apply_penalties(x, st)
+    return x
+
+
+def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
+    """One token per row of ``logits[R, V]`` (float32)."""
+    raw = logits
+    lse = _logsumexp(raw)
+    x = process_logits(raw, st, flags)
+    tokens = _argmax(x)
+    if not flags.all_greedy:
+        tokens = jnp.where(st.temperature > 0, _draw(x, st, flags.top_k_top_p), tokens)
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0] - lse
+    R = raw.shape[0]
+    if flags.num_logprobs < 0:
+        return SamplerOutput(tokens, logprobs, jnp.zeros(0, jnp.int32), jnp.zeros((R, 0), jnp.int32),
+                             jnp.zeros((R, 0), jnp.float32))
+    ranks, top_ids, top_lps = _top_logprobs(raw, lse, tokens, flags.num_logprobs)
+    return SamplerOutput(tokens, logprobs, ranks, top_ids, top_lps)
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_logprobs: int) -> SamplerOutput:
+    """Logprob, rank and top ``num_logprobs`` at prompt positions: row i scores ``targets[i]``."""
+    lse = _logsumexp(logits)
+    lp = jnp.take_along_axis(logits, targets[:, None], -1)[:, 0] - lse
+    ranks, top_ids, top_lps = _top_logprobs(logits, lse, targets, num_logprobs)
+    return SamplerOutput(targets, lp, ranks, top_ids, top_lps)

@@ -48,7 +48,7 @@ def assert_matches_hf(outputs, ref):
             k = next(j for j, (a, b) in enumerate(zip(got, tokens)) if a != b)
             pytest.fail(f"prompt {i}: tokens diverge at step {k} (HF top1-top2 margin {margins[k]:.2e}): "
                         f"ours {got} vs HF {tokens}")
-        ours = [lp for d in out.outputs[0].logprobs for lp in d.values()]
+        ours = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, got, strict=True)]
         np.testing.assert_allclose(ours, logprobs, atol=1e-3, err_msg=f"prompt {i} logprobs")
 
 
