@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import typing
 
@@ -51,6 +52,23 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxpaged.async_engine import AsyncLLMEngine
+    from server import build_app
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = engine_args_from(ns)
+    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
+    try:
+        app = build_app(engine, ns.served_model_name or args.model, api_key=ns.api_key, log_prompts=ns.log_prompts)
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM serving on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling.")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+
+    serve = sub.add_parser("serve", help="Serve the model over an OpenAI-compatible HTTP API.")
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="Require 'Authorization: Bearer <key>' on /v1/* and /tokenize, /detokenize "
+                            "(/health and /metrics stay open).")
+    serve.add_argument("--served-model-name", default=None,
+                       help="Model name clients must use (default: the --model argument).")
+    serve.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                       help="Queued requests beyond this are refused with 503 instead of piling up.")
+    serve.add_argument("--log-prompts", action="store_true", help="Log prompt texts (off: only token counts).")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,345 @@
+"""``AsyncLLMEngine``: the synchronous ``LLMEngine`` driven by a background thread, for servers.
+
+DESIGN.md puts this class in ``engine.py``; it has its own module so that ``engine.py`` stays the
+synchronous core (and so that work on both could proceed at once).
+
+``LLMEngine`` is not thread-safe, so one thread, the loop thread, is the only one that adds,
+aborts or steps. Callers on any asyncio event loop hand it work through a locked command list
+and read outputs from per-request ``RequestStream``s, fed with ``call_soon_threadsafe``. The
+jitted step releases the GIL, so an event loop keeps serving HTTP while the model runs.
+Validation (``LLMEngine.make_request``: tokenization, parameter and length checks) runs in the
+caller's thread, so a bad request is refused at once without waiting for a step.
+
+The loop thread takes the GIL back several times per step (after each device call). With
+Python's default 5 ms switch interval it can wait that long each time while the event loop
+serializes JSON, which more than doubled step time under load; so the interval is lowered
+(process-wide) to ``_SWITCH_INTERVAL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.request import Request, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:                   # the engine pulls in JAX; importing this module should not
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+_SWITCH_INTERVAL = 0.0005
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread has stopped (an error in a step, or shutdown); nothing more is served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot of the engine, taken by the loop thread between steps."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of usable KV blocks in use (1.0 = full)."""
+    num_free_blocks: int
+    num_usable_blocks: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_cache_hits: int
+    """Of those, tokens found cached (not recomputed)."""
+    alive: bool
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput``s; ends after the finished one.
+
+    Outputs are cumulative (each carries the whole text so far), so only the newest is kept:
+    a slow reader skips intermediate ones and a stream's memory stays bounded. Leaving
+    ``async with stream`` before the request finished aborts it, freeing its KV blocks.
+    """
+
+    def __init__(self, request: Request, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request.request_id
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.loop = loop
+        self.last: RequestOutput | None = None
+        """The newest output handed to the reader."""
+        self._engine = engine
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._done = False
+        self._event = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def _put(self, output: RequestOutput) -> None:
+        self._pending = output
+        self._done = output.finished
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done = True
+        self._event.set()
+
+    def _close(self) -> None:
+        self._done = True
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._pending is not None:
+                self.last, self._pending = self._pending, None
+                return self.last
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request: Request
+    stream: RequestStream
+    admitted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """Runs an ``LLMEngine`` in a daemon thread; safe to call from any thread or event loop.
+
+    ``max_waiting_requests`` bounds the requests queued but not running: past it,
+    ``add_request`` raises ``EngineOverloadedError`` instead of letting memory grow.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}.")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._num_pending_adds = 0
+        self._streams: dict[str, RequestStream] = {}      # loop thread only
+        self._error: EngineDeadError | None = None
+        self._stopping = False
+        self.stats = self._snapshot()
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs,
+                         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> AsyncLLMEngine:
+        from jaxpaged.engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), max_waiting_requests)
+
+    # ---- read-only facts, safe from any thread -------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int],
+                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and tokenize without queueing (raises ``ValueError``); see ``add_request``."""
+        return self.engine.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt)
+
+    async def add_request(self, request: Request) -> RequestStream:
+        """Queue a request made by ``make_request``; returns once the scheduler accepted it.
+
+        Raises ``ValueError`` if the scheduler refuses it (nothing is left behind),
+        ``EngineOverloadedError`` if the waiting queue is full, ``EngineDeadError`` if the
+        engine has stopped.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request, self, loop)
+        admitted = loop.create_future()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self.stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {self.max_waiting_requests} requests are already waiting; "
+                    f"retry later.")
+            self._commands.append(_Add(request, stream, admitted))
+            self._num_pending_adds += 1
+        self._wakeup.set()
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks; a no-op once it has finished."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._commands.append(_Abort(request_id))
+        self._wakeup.set()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; unfinished streams end with ``EngineDeadError``."""
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
+        self._thread.join()
+
+    # ---- the loop thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._serve_commands():
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
+                outputs = self.engine.step()
+                self._dispatch(outputs)
+                with self._lock:
+                    self.stats = self._snapshot()
+        except Exception as e:
+            logger.exception("engine loop failed; the engine is dead")
+            self._die(EngineDeadError(f"the engine failed and stopped ({type(e).__name__}); restart the server."))
+            return
+        for request_id in self._streams:        # shut down cleanly: the engine holds no requests after
+            self.engine.abort_request(request_id)
+        self._die(EngineDeadError("the engine has been shut down."))
+
+    def _serve_commands(self) -> bool:
+        """Apply the queued adds and aborts, in order; False once shutdown has been asked for."""
+        with self._lock:
+            self._wakeup.clear()
+            while self._commands:
+                self._apply(self._commands.popleft())
+            self._num_pending_adds = 0
+            self.stats = self._snapshot()
+            return not self._stopping
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            stream = self._streams.pop(command.request_id, None)
+            if stream is not None:
+                _post(stream.loop, stream._close)
+            return
+        try:
+            self.engine.add_prepared_request(command.request)
+        except ValueError as e:
+            _resolve(command.admitted, e)
+            return
+        except BaseException:
+            _resolve(command.admitted, EngineDeadError("the engine failed while adding a request."))
+            raise
+        self._streams[command.request.request_id] = command.stream
+        _resolve(command.admitted, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams: one callback per event loop per step."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            batches[stream.loop].append((stream, out))
+        for loop, batch in batches.items():
+            if not _post(loop, _deliver, batch):        # nobody is left to read these streams
+                for stream, _ in batch:
+                    self.engine.abort_request(stream.request_id)
+                    self._streams.pop(stream.request_id, None)
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self._error = error
+            commands, self._commands = self._commands, deque()
+            self.stats = self._snapshot()
+        for command in commands:
+            if isinstance(command, _Add):
+                _resolve(command.admitted, error)
+        for stream in self._streams.values():
+            _post(stream.loop, stream._fail, error)
+        self._streams.clear()
+
+    def _snapshot(self) -> EngineStats:
+        kv = self.engine.kv_cache_manager
+        return EngineStats(num_running=self.engine.scheduler.num_running,
+                           num_waiting=self.engine.scheduler.num_waiting,
+                           kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+                           num_usable_blocks=self.engine.cache_info.num_usable_blocks,
+                           prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+                           alive=self._error is None)
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream._put(out)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """Schedule ``callback`` on ``loop`` from the loop thread; False if that loop has closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    """Settle ``future`` from the loop thread (unless its caller already gave up)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    _post(future.get_loop(), settle)

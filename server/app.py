@@ -1,0 +1,120 @@
+"""``build_app``: the FastAPI app of the OpenAI-compatible server over one ``AsyncLLMEngine``.
+
+With an API key, everything under ``/v1`` and the tokenizer endpoints need
+``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from jaxpaged.async_engine import AsyncLLMEngine
+from server.errors import APIError, install_error_handlers
+from server.metrics import ServerMetrics
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                             ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+                             TokenizeResponse)
+from server.serving import ClientDisconnected, OpenAIServing
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, so a client
+    that disconnects while an event is being sent still gets its engine requests aborted."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _api_key_checker(api_key: str):
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              log_prompts: bool = False) -> FastAPI:
+    """The app serving ``engine`` as model ``served_model_name``; the caller owns the engine
+    (starts it before serving, shuts it down after)."""
+    app = FastAPI(title="jaxpaged", summary="OpenAI-compatible LLM server on JAX")
+    install_error_handlers(app)
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics, log_prompts)
+    guarded = APIRouter(dependencies=[Depends(_api_key_checker(api_key))] if api_key else [])
+
+    def respond(result: BaseModel | AsyncIterator[str]) -> Response:
+        if isinstance(result, BaseModel):
+            return Response(result.model_dump_json(), media_type="application/json")
+        return EventStreamResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @guarded.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            return respond(await serving.create_completion(body, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @guarded.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            return respond(await serving.create_chat_completion(body, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @guarded.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+
+    @guarded.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+
+    @guarded.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            tokens = serving.apply_chat_template(body.messages, body.add_generation_prompt)
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @guarded.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {engine.tokenizer.vocab_size}); got {bad[:5]}.",
+                           param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    app.include_router(guarded)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine runs; 503 once it has died (restart the server)."""
+        if not engine.is_alive:
+            raise APIError(503, "The engine is dead.", type="server_error", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

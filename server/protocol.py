@@ -1,0 +1,303 @@
+"""OpenAI API request and response bodies (pydantic), plus vLLM's extra sampling parameters.
+
+Request models forbid unknown fields, as OpenAI does: a misspelt parameter is a 400, not
+something silently ignored. Sampling parameters keep vLLM's names, which are
+``SamplingParams``' field names, so they are passed through by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from jaxpaged.sampling_params import SamplingParams
+
+MAX_N = 128
+"""OpenAI's own limit on ``n``."""
+MAX_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs`` (also applied to the completions API's ``logprobs``)."""
+
+_SAMPLING_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+_PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+                 "logit_bias", "best_of", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens")
+"""Request fields named as in ``SamplingParams`` and passed to it unchanged when set."""
+
+
+class UnsupportedParameterError(ValueError):
+    """A known OpenAI/vLLM parameter that this engine cannot honour."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"`{param}` is not supported by this server.")
+        self.param = param
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Sampling, OpenAI's:
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    # vLLM's extras:
+    best_of: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, description="Only requests with the same salt share "
+                                   "prefix-cache blocks (vLLM's parameter).")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true.")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, **resolved) -> SamplingParams:
+        """``SamplingParams`` from the fields the client set (engine defaults for the rest) and
+        ``resolved`` (values the endpoint derived, passed even when None). Raises ``ValueError`` for invalid values and
+        ``UnsupportedParameterError`` for a set parameter the engine does not have."""
+        kwargs = {name: getattr(self, name) for name in _PASS_THROUGH
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        kwargs.update(resolved)
+        for name in kwargs:
+            if name not in _SAMPLING_PARAMS_FIELDS:
+                raise UnsupportedParameterError(name)
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (a string, or token ids, each)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, str]:
+        """The message as a chat template sees it (OpenAI's ``developer`` role is ``system``)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true.")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: how many top alternatives per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (with ``usage`` null but in the last one) one streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict:
+        """A delta carries only what changed: ``{"role": ...}`` first, then ``{"content": ...}``."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "jaxpaged"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

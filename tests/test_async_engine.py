@@ -1,0 +1,227 @@
+"""AsyncLLMEngine: outputs match the synchronous engine, aborts free blocks at once, the event
+loop never waits for a step, the waiting queue is bounded, and a failing engine fails loudly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxpaged import EngineArgs, LLMEngine, SamplingParams
+from jaxpaged.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
+from tiny_models import hf_greedy
+
+# The same engine shape as tests/test_server.py, so both reuse the same compiled programs.
+ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=129)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
+
+
+@pytest.fixture
+def engine(llm_engine):
+    eng = AsyncLLMEngine(llm_engine)
+    yield eng
+    eng.shutdown()
+    assert not llm_engine.has_unfinished_requests()
+    assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
+
+
+class GatedEngine:
+    """An ``LLMEngine`` whose ``step`` sets ``stepping``, waits for ``gate`` to be open, and then
+    raises ``fail`` if set."""
+
+    def __init__(self, engine: LLMEngine, open: bool = False) -> None:
+        self._engine = engine
+        self.gate = threading.Event()
+        if open:
+            self.gate.set()
+        self.stepping = threading.Event()
+        self.fail: Exception | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        self.stepping.set()
+        self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        return self._engine.step()
+
+
+async def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def final_output(engine: AsyncLLMEngine, request_id: str, prompt, sp: SamplingParams):
+    stream = await engine.add_request(engine.make_request(request_id, prompt, sp))
+    async with stream:
+        async for out in stream:
+            pass
+    return out
+
+
+def test_concurrent_requests_match_hf(engine, tiny):
+    prompts = [[5, 6, 7, 8], [40, 41], list(range(10, 40)), [300, 3, 200, 100, 7]]
+
+    async def main():
+        return await asyncio.gather(*(final_output(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)))
+
+    outs = asyncio.run(main())
+    for p, out in zip(prompts, outs):
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == hf_greedy(tiny[1], p, 8)[0]
+
+
+def test_outputs_are_streamed_and_cumulative(engine):
+    async def main():
+        stream = await engine.add_request(engine.make_request("s", [5, 6, 7], GREEDY))
+        seen = []
+        async with stream:
+            async for out in stream:
+                seen.append(list(out.outputs[0].token_ids))
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] and len(seen[-1]) == 8
+    assert all(a == seen[-1][:len(a)] for a in seen)        # each output extends the previous one
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(engine, llm_engine):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request(engine.make_request("long", list(range(3, 50)), long))
+        async with stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+        await wait_for(lambda: engine.stats.num_running == 0
+                       and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+        return out
+
+    out = asyncio.run(main())
+    assert not out.finished
+
+
+def test_event_loop_runs_while_engine_steps(llm_engine):
+    gated = GatedEngine(llm_engine)
+    engine = AsyncLLMEngine(gated)
+
+    async def main():
+        stream = await engine.add_request(engine.make_request("g", [5, 6, 7], GREEDY))
+        await wait_for(gated.stepping.is_set)
+        t0 = time.monotonic()
+        for _ in range(10):                      # the step is stuck, yet the loop ticks freely
+            await asyncio.sleep(0.005)
+        ticked = time.monotonic() - t0
+        gated.gate.set()
+        async with stream:
+            async for out in stream:
+                pass
+        return ticked, out
+
+    try:
+        ticked, out = asyncio.run(main())
+    finally:
+        gated.gate.set()
+        engine.shutdown()
+    assert ticked < 1.0
+    assert out.finished
+
+
+def test_waiting_queue_is_bounded(llm_engine):
+    gated = GatedEngine(llm_engine, open=True)
+    engine = AsyncLLMEngine(gated, max_waiting_requests=3)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        running = await engine.add_request(engine.make_request("q0", [5, 6], long))
+        await anext(running)                     # q0 runs and the queue is empty...
+        gated.gate.clear()
+        gated.stepping.clear()
+        await wait_for(gated.stepping.is_set)    # ...and from now on the loop thread is stuck in a step
+        queued = [asyncio.ensure_future(engine.add_request(engine.make_request(f"q{i}", [5, 6], GREEDY)))
+                  for i in range(1, 4)]
+        await asyncio.sleep(0)                   # each queued add has passed the admission check
+        with pytest.raises(EngineOverloadedError, match="3 requests are already waiting"):
+            await engine.add_request(engine.make_request("q4", [5, 6], GREEDY))
+        gated.gate.set()
+        async with running:
+            pass                                 # aborts q0
+        for stream in await asyncio.gather(*queued):
+            async with stream:
+                async for out in stream:
+                    pass
+            assert out.finished
+        return await final_output(engine, "q5", [5, 6], GREEDY)    # room again once the queue drained
+
+    try:
+        assert asyncio.run(main()).finished
+    finally:
+        gated.gate.set()
+        engine.shutdown()
+
+
+def test_inadmissible_request_raises_and_leaves_nothing(engine):
+    huge = SamplingParams(max_tokens=250)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request(engine.make_request("bad", list(range(3, 20)), huge))
+        return await final_output(engine, "good", [5, 6, 7], GREEDY)
+
+    assert asyncio.run(main()).finished
+
+
+def test_engine_error_kills_engine_and_fails_streams(llm_engine):
+    gated = GatedEngine(llm_engine)
+    gated.fail = RuntimeError("device on fire")
+    engine = AsyncLLMEngine(gated)
+
+    async def main():
+        stream = await engine.add_request(engine.make_request("doomed", [5, 6, 7], GREEDY))
+        gated.gate.set()
+        with pytest.raises(EngineDeadError, match="RuntimeError"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive and not engine.stats.alive
+        with pytest.raises(EngineDeadError):
+            await engine.add_request(engine.make_request("after", [5, 6, 7], GREEDY))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        llm_engine.abort_request("doomed")       # the step never ran; leave the shared engine clean
+
+
+def test_shutdown_ends_open_streams(llm_engine):
+    engine = AsyncLLMEngine(llm_engine)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request(engine.make_request("open", [5, 6, 7], long))
+        await anext(stream)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    assert not llm_engine.has_unfinished_requests()
+    assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
