@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.async_engine import EngineDeadError, EngineOverloadedError
-from server.protocol import ErrorInfo, ErrorResponse, UnsupportedParameterError
+from server.protocol import ErrorInfo, ErrorResponse
 
 class APIError(Exception):
     """An error response: HTTP status plus OpenAI's error fields."""
@@ -32,8 +32,6 @@ class APIError(Exception):
     @classmethod
     def from_engine(cls, error: ValueError | EngineOverloadedError | EngineDeadError) -> APIError:
         """The response for an error the engine raised on a request's behalf."""
-        if isinstance(error, UnsupportedParameterError):
-            return cls(400, str(error), param=error.param)
         if isinstance(error, ValueError):
             return cls(400, str(error))
         if isinstance(error, EngineOverloadedError):

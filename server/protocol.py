@@ -2,12 +2,11 @@
 
 Request models forbid unknown fields, as OpenAI does: a misspelt parameter is a 400, not
 something silently ignored. Sampling parameters keep vLLM's names, which are
-``SamplingParams``' field names, so they are passed through by name.
+``SamplingParams``' field names, so they are passed through by name and validated there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Literal
 
@@ -16,11 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from jaxpaged.sampling_params import SamplingParams
 
 MAX_N = 128
-"""OpenAI's own limit on ``n``."""
+"""OpenAI's own limit on ``n`` (also applied to ``best_of``)."""
 MAX_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs`` (also applied to the completions API's ``logprobs``)."""
 
-_SAMPLING_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 _PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
@@ -28,14 +26,6 @@ _PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty"
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
                  "spaces_between_special_tokens")
 """Request fields named as in ``SamplingParams`` and passed to it unchanged when set."""
-
-
-class UnsupportedParameterError(ValueError):
-    """A known OpenAI/vLLM parameter that this engine cannot honour."""
-
-    def __init__(self, param: str) -> None:
-        super().__init__(f"`{param}` is not supported by this server.")
-        self.param = param
 
 
 class RequestModel(BaseModel):
@@ -63,7 +53,7 @@ class SamplingRequest(RequestModel):
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     # vLLM's extras:
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -88,15 +78,10 @@ class SamplingRequest(RequestModel):
 
     def to_sampling_params(self, **resolved) -> SamplingParams:
         """``SamplingParams`` from the fields the client set (engine defaults for the rest) and
-        ``resolved`` (values the endpoint derived, passed even when None). Raises ``ValueError`` for invalid values and
-        ``UnsupportedParameterError`` for a set parameter the engine does not have."""
+        ``resolved`` (values the endpoint derived, passed even when None); ``ValueError`` if invalid."""
         kwargs = {name: getattr(self, name) for name in _PASS_THROUGH
                   if name in self.model_fields_set and getattr(self, name) is not None}
-        kwargs.update(resolved)
-        for name in kwargs:
-            if name not in _SAMPLING_PARAMS_FIELDS:
-                raise UnsupportedParameterError(name)
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, **resolved)
 
 
 class CompletionRequest(SamplingRequest):

@@ -22,18 +22,26 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
 
 from jaxpaged.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxpaged.request import CompletionOutput, RequestOutput
+from jaxpaged.request import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
 from server.errors import APIError
 from server.metrics import ServerMetrics
-from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                             ChatCompletionResponse, ChatMessage, ChatResponseMessage, CompletionChoice,
-                             CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse, UsageInfo)
+from server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
+                             ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatResponseMessage,
+                             ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse, DeltaMessage, ErrorResponse, SamplingRequest, TopLogprob,
+                             UsageInfo)
 
 logger = logging.getLogger("jaxpaged.server")
 
 T = TypeVar("T")
 _ENGINE_ERRORS = (ValueError, EngineOverloadedError, EngineDeadError)
+
+
+def _named_param(error: ValueError, body: SamplingRequest) -> str | None:
+    """The request field an engine error is about: its messages start with the parameter's name."""
+    name = str(error).split(" ", 1)[0]
+    return name if name in type(body).model_fields else None
 
 
 class ClientDisconnected(Exception):
@@ -70,11 +78,18 @@ async def run_until_disconnect(request: HTTPRequest, work: Awaitable[T]) -> T:
 
 @dataclass
 class _ChoiceState:
-    """What has been streamed of one choice so far."""
+    """What has been sent of one choice so far."""
 
+    started: bool = False
     num_chars: int = 0
     num_tokens: int = 0
-    finished: bool = False
+    text_offset: int = 0
+    """Where the next token's text starts (the completions API's ``logprobs.text_offset``)."""
+
+    def advance(self, c: CompletionOutput) -> None:
+        self.started = True
+        self.num_chars = len(c.text)
+        self.num_tokens = len(c.token_ids)
 
 
 @dataclass
@@ -117,20 +132,20 @@ class OpenAIServing:
         prompts = body.prompts
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        sp = self._sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, sp, body.cache_salt, param="prompt")
+        echo_logprobs = body.logprobs if body.echo else None
+        sp = self._sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                   prompt_logprobs=echo_logprobs)
+        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, sp, body, prompt_param="prompt")
         if body.stream:
             return self._completion_events(job, body)
         await run_until_disconnect(raw, self._collect(job))
         choices = []
-        for i, stream in enumerate(job.streams):
+        for i in range(len(job.streams)):
             out = job.finals[i]
-            echo = self._prompt_text(out) if body.echo else ""
-            for c in out.outputs:
-                choices.append(CompletionChoice(
-                    index=i * job.n + c.index, text=echo + c.text, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason))
-        choices.sort(key=lambda c: c.index)
+            for j, c in enumerate(out.outputs):
+                text, logprobs = self._completion_piece(out, c, _ChoiceState(), body)
+                choices.append(CompletionChoice(index=i * job.n + j, text=text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     async def _completion_events(self, job: _Job, body: CompletionRequest) -> AsyncIterator[str]:
@@ -139,24 +154,56 @@ class OpenAIServing:
         try:
             async with aclosing(self._merged(job)) as outputs:
                 async for i, out in outputs:
-                    for c in out.outputs:
-                        index = i * job.n + c.index
-                        state = states.setdefault(index, _ChoiceState())
-                        text = self._delta(c, state)
-                        if state.num_tokens == 0 and body.echo:
-                            text = self._prompt_text(out) + text
-                        if text or c.finish_reason is not None:
+                    for j, c in enumerate(out.outputs):
+                        index = i * job.n + j
+                        text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()),
+                                                                body)
+                        if text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
                             yield sse(CompletionResponse(
                                 id=job.request_id, created=created, model=job.model,
-                                choices=[CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
-                                                          stop_reason=c.stop_reason)]))
-                        state.num_tokens = len(c.token_ids)
+                                choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
             if body.include_usage_in_stream:
                 yield sse(CompletionResponse(id=job.request_id, created=created, model=job.model,
                                              choices=[], usage=job.usage))
         except EngineDeadError as e:
             yield sse(ErrorResponse(error=APIError.from_engine(e).info))
         yield sse("[DONE]")
+
+    def _completion_piece(self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState,
+                          body: CompletionRequest) -> tuple[str, CompletionLogprobs | None]:
+        """What ``c`` adds to what ``state`` says was sent (all of it, for a fresh state): text and,
+        if asked for, logprobs; the first piece starts with the prompt when ``echo``."""
+        echo = body.echo and not state.started
+        text = (self._prompt_text(out) if echo else "") + c.text[state.num_chars:]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo:
+                self._add_completion_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, state)
+            self._add_completion_logprobs(logprobs, c.token_ids[state.num_tokens:],
+                                          c.logprobs[state.num_tokens:], state)
+        state.advance(c)
+        return text, logprobs
+
+    def _add_completion_logprobs(self, logprobs: CompletionLogprobs, token_ids: Sequence[int],
+                                 positions: Sequence[TokenLogprobs | None], state: _ChoiceState) -> None:
+        """OpenAI's legacy format: per token its text, logprob, offset, and alternatives by text."""
+        for token, entries in zip(token_ids, positions):
+            if entries is None:                     # the prompt's first token has no logprob
+                text = self.engine.tokenizer.decode([token], skip_special_tokens=False)
+                logprobs.token_logprobs.append(None)
+                logprobs.top_logprobs.append(None)
+            else:
+                text = entries[token].decoded_token
+                logprobs.token_logprobs.append(entries[token].logprob)
+                top: dict[str, float] = {}
+                for lp in sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True):
+                    top.setdefault(lp.decoded_token, lp.logprob)
+                logprobs.top_logprobs.append(top)
+            logprobs.tokens.append(text)
+            logprobs.text_offset.append(state.text_offset)
+            state.text_offset += len(text)
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
@@ -166,41 +213,61 @@ class OpenAIServing:
         prompt = self.apply_chat_template(body.messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = self._sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
-        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sp, body.cache_salt,
-                                 param="messages")
+        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sp, body, prompt_param="messages")
         if body.stream:
             return self._chat_events(job, body)
         await run_until_disconnect(raw, self._collect(job))
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in job.finals[0].outputs]
+        choices = []
+        for j, c in enumerate(job.finals[0].outputs):
+            text, logprobs = self._chat_piece(c, _ChoiceState(), body)
+            choices.append(ChatChoice(index=j, message=ChatResponseMessage(content=text), logprobs=logprobs,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     async def _chat_events(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(index: int, delta: DeltaMessage, c: CompletionOutput | None = None) -> str:
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=c and c.finish_reason,
-                                     stop_reason=c and c.stop_reason)
+        def chunk(choice: ChatChunkChoice) -> str:
             return sse(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice]))
 
         try:
-            for index in range(job.n):
-                yield chunk(index, DeltaMessage(role="assistant", content=""))
+            for j in range(job.n):
+                yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
             states = [_ChoiceState() for _ in range(job.n)]
             async with aclosing(self._merged(job)) as outputs:
                 async for _, out in outputs:
-                    for c in out.outputs:
-                        text = self._delta(c, states[c.index])
-                        if text or c.finish_reason is not None:
-                            yield chunk(c.index, DeltaMessage(content=text or None), c)
-                        states[c.index].num_tokens = len(c.token_ids)
+                    for j, c in enumerate(out.outputs):
+                        text, logprobs = self._chat_piece(c, states[j], body)
+                        if text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
+                            yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
+                                                        logprobs=logprobs, finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason))
             if body.include_usage_in_stream:
                 yield sse(ChatCompletionChunk(id=job.request_id, created=created, model=job.model,
                                               choices=[], usage=job.usage))
         except EngineDeadError as e:
             yield sse(ErrorResponse(error=APIError.from_engine(e).info))
         yield sse("[DONE]")
+
+    @staticmethod
+    def _chat_piece(c: CompletionOutput, state: _ChoiceState,
+                    body: ChatCompletionRequest) -> tuple[str, ChatChoiceLogprobs | None]:
+        """What ``c`` adds to what ``state`` says was sent: text and, if asked for, logprobs in
+        the chat format (each token with its ``top_logprobs`` most likely alternatives)."""
+        text = c.text[state.num_chars:]
+        logprobs = None
+        if body.logprobs:
+            content = []
+            for token, entries in zip(c.token_ids[state.num_tokens:], c.logprobs[state.num_tokens:]):
+                top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)[:body.top_logprobs or 0]
+                chosen = entries[token]
+                content.append(ChatTokenLogprob(
+                    token=chosen.decoded_token, logprob=chosen.logprob, bytes=list(chosen.decoded_token.encode()),
+                    top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob,
+                                             bytes=list(lp.decoded_token.encode())) for lp in top]))
+            logprobs = ChatChoiceLogprobs(content=content)
+        state.advance(c)
+        return text, logprobs
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
@@ -212,22 +279,22 @@ class OpenAIServing:
     # ---- shared ------------------------------------------------------------------------------
 
     @staticmethod
-    def _sampling_params(body: CompletionRequest | ChatCompletionRequest, **resolved) -> SamplingParams:
+    def _sampling_params(body: SamplingRequest, **resolved) -> SamplingParams:
         try:
             return body.to_sampling_params(**resolved)
         except ValueError as e:
-            raise APIError.from_engine(e) from None
+            raise APIError(400, str(e), param=_named_param(e, body)) from None
 
     async def _submit(self, request_id: str, prompts: list[str | list[int]], sp: SamplingParams,
-                      cache_salt: str | None, param: str) -> _Job:
-        """Validate every prompt, then queue them all, or none (raises ``APIError``; a bad
-        prompt names ``param``)."""
+                      body: SamplingRequest, prompt_param: str) -> _Job:
+        """Validate every prompt, then queue them all, or none (raises ``APIError``; an error
+        that names no request field is blamed on ``prompt_param``)."""
         arrival = time.time()
         try:
-            requests = [self.engine.make_request(f"{request_id}-{i}", p, sp, arrival, cache_salt)
+            requests = [self.engine.make_request(f"{request_id}-{i}", p, sp, arrival, body.cache_salt)
                         for i, p in enumerate(prompts)]
         except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=_named_param(e, body) or prompt_param) from None
         streams: list[RequestStream] = []
         try:
             for req in requests:
@@ -277,12 +344,6 @@ class OpenAIServing:
             raise APIError.from_engine(e) from None
         if len(job.finals) < len(job.streams):
             raise APIError(503, "The request was aborted by the server.", type="server_error")
-
-    @staticmethod
-    def _delta(c: CompletionOutput, state: _ChoiceState) -> str:
-        text = c.text[state.num_chars:]
-        state.num_chars = len(c.text)
-        return text
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)

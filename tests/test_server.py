@@ -179,6 +179,74 @@ def test_stream_equals_non_stream(client, stream_api):
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
 
 
+def test_n_samples_streamed_and_not(client, engine):
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt=["Paged", "Blocks"], **kw)
+    assert [c.index for c in full.choices] == list(range(6))           # prompt i, sample j -> 3 * i + j
+    assert full.usage.completion_tokens == 60                           # each prompt counted once:
+    assert full.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in ["Paged", "Blocks"])
+    streamed = ["" for _ in range(6)]
+    for chunk in client.completions.create(prompt=["Paged", "Blocks"], stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in full.choices]
+    assert len(set(streamed[:3])) > 1                   # the samples of one prompt differ
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6, n=2, seed=3)
+    full_chat = client.chat.completions.create(**chat)
+    chunks = list(client.chat.completions.create(stream=True, **chat))
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    for j in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == j)
+        assert text == full_chat.choices[j].message.content
+
+
+def test_stop_string_streamed_and_not(client):
+    kw = dict(model=MODEL, prompt="Paged attention", max_tokens=24, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[6:8]
+    full = client.completions.create(stop=[stop], **kw).choices[0]
+    assert full.text == text[:text.index(stop)]
+    assert full.finish_reason == "stop" and full.stop_reason == stop
+    streamed = list(client.completions.create(stop=[stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == full.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, tiny):
+    prompt = [5, 6, 7, 8]
+    hf_tokens, hf_logprobs, _ = hf_greedy(tiny[1], prompt, 6)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    assert lp.token_logprobs == pytest.approx(hf_logprobs, abs=1e-3)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(chosen)     # greedy: the best
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+
+    echo = client.completions.create(echo=True, **kw).choices[0]
+    assert echo.logprobs.token_logprobs[0] is None and len(echo.logprobs.tokens) == len(prompt) + 6
+    assert echo.logprobs.token_logprobs[len(prompt):] == lp.token_logprobs
+    assert echo.text.endswith(full.text)
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    assert len(chat.logprobs.content) == 5
+    for entry in chat.logprobs.content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in chat.logprobs.content).startswith(chat.message.content[:1])
+
+
 def test_sse_framing(http):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -220,9 +288,16 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x" * 600}, 400, "prompt", "max_model_len is 256"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("completions", {"prompt": "hi", "max_tokens": 300}, 400, "prompt", "lower max_tokens"),
-    ("completions", {"prompt": "hi", "temperature": -1}, 400, None, "temperature must be >= 0"),
-    ("completions", {"prompt": "hi", "top_p": 0}, 400, None, "top_p"),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", r"top_p must be in \(0, 1\]"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
     ("completions", {"prompt": "hi", "n": 1000}, 400, "n", "less than or equal to 128"),
+    ("completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", "best_of must be an integer >= n"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias", r"\[-100, 100\]"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "valid integer"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [5000]}, 400, "stop_token_ids", r"\[0, 384\)"),
+    ("completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "max_tokens=4"),
     ("completions", {"prompt": [5, 6, 384]}, 400, "prompt", r"token ids must be in \[0, 384\)"),
     ("completions", {"prompt": [[5, -1]]}, 400, "prompt", "token ids"),
     ("completions", {"prompt": []}, 400, "prompt", "must not be empty"),
@@ -238,6 +313,8 @@ BAD_REQUESTS = [
      400, "messages", ""),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, None,
      "needs logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+     400, "top_logprobs", "less than or equal to 20"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools",
      "Unrecognized"),
 ]
