@@ -7,7 +7,7 @@ With an API key, everything under ``/v1`` and the tokenizer endpoints need
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -20,23 +20,28 @@ from server.metrics import ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                              ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                              TokenizeResponse)
-from server.serving import ClientDisconnected, OpenAIServing
+from server.serving import ClientDisconnected, EventStream, OpenAIServing
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends, so a client
-    that disconnects while an event is being sent still gets its engine requests aborted."""
+    """Server-sent events that end their job when the response ends, however it ends: a client
+    that disconnects, even while an event is being sent, gets its engine requests aborted."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream.events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._stream.events.aclose()
+            self._stream.close()
 
 
-def _api_key_checker(api_key: str):
+def _api_key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -58,10 +63,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     serving = OpenAIServing(engine, served_model_name, metrics, log_prompts)
     guarded = APIRouter(dependencies=[Depends(_api_key_checker(api_key))] if api_key else [])
 
-    def respond(result: BaseModel | AsyncIterator[str]) -> Response:
-        if isinstance(result, BaseModel):
-            return Response(result.model_dump_json(), media_type="application/json")
-        return EventStreamResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def respond(result: BaseModel | EventStream) -> Response:
+        if isinstance(result, EventStream):
+            return EventStreamResponse(result)
+        return Response(result.model_dump_json(), media_type="application/json")
 
     @guarded.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

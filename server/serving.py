@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -102,12 +102,22 @@ class _Job:
     arrival_time: float
     streams: list[RequestStream]
     finals: dict[int, RequestOutput] = field(default_factory=dict)
+    ended: bool = False
 
     @property
     def usage(self) -> UsageInfo:
         prompt = sum(s.num_prompt_tokens for s in self.streams)
         completion = sum(len(c.token_ids) for s in self.streams if s.last is not None for c in s.last.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+@dataclass
+class EventStream:
+    """A streamed response: its server-sent events, and ``close``, to call when the response ends
+    however it ends (even before the first event): aborts and records what is unfinished."""
+
+    events: AsyncGenerator[str, None]
+    close: Callable[[], None]
 
 
 class OpenAIServing:
@@ -126,8 +136,9 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
-    async def create_completion(self, body: CompletionRequest, raw: HTTPRequest):
-        """A ``CompletionResponse``, or an SSE event stream when ``body.stream``."""
+    async def create_completion(self, body: CompletionRequest,
+                                raw: HTTPRequest) -> CompletionResponse | EventStream:
+        """The whole completion, or its event stream when ``body.stream``."""
         self.check_model(body.model)
         prompts = body.prompts
         if not prompts:
@@ -137,7 +148,7 @@ class OpenAIServing:
                                    prompt_logprobs=echo_logprobs)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, sp, body, prompt_param="prompt")
         if body.stream:
-            return self._completion_events(job, body)
+            return EventStream(self._completion_events(job, body), lambda: self._end(job))
         await run_until_disconnect(raw, self._collect(job))
         choices = []
         for i in range(len(job.streams)):
@@ -207,15 +218,16 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
-    async def create_chat_completion(self, body: ChatCompletionRequest, raw: HTTPRequest):
-        """A ``ChatCompletionResponse``, or an SSE event stream when ``body.stream``."""
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     raw: HTTPRequest) -> ChatCompletionResponse | EventStream:
+        """The whole chat completion, or its event stream when ``body.stream``."""
         self.check_model(body.model)
         prompt = self.apply_chat_template(body.messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = self._sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sp, body, prompt_param="messages")
         if body.stream:
-            return self._chat_events(job, body)
+            return EventStream(self._chat_events(job, body), lambda: self._end(job))
         await run_until_disconnect(raw, self._collect(job))
         choices = []
         for j, c in enumerate(job.finals[0].outputs):
@@ -301,15 +313,17 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(req))
                 if self.log_prompts:
                     logger.info("%s: prompt %r", req.request_id, req.prompt or req.prompt_token_ids)
-        except _ENGINE_ERRORS as e:
+        except BaseException as e:                  # also when the client left (cancelled) meanwhile
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            raise APIError.from_engine(e) from None
+            if isinstance(e, _ENGINE_ERRORS):
+                raise APIError.from_engine(e) from None
+            raise
         return _Job(request_id, self.model_name, sp.n, arrival, streams)
 
     async def _merged(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(prompt index, output)`` from all the job's streams as they come; on exit, however
-        early, aborts every unfinished engine request and records each one's end.
+        early, ends the job (``_end``).
 
         Only one output per stream is taken ahead of the reader, so a slow reader leaves the
         streams coalescing outputs instead of queueing them.
@@ -331,10 +345,17 @@ class OpenAIServing:
         finally:
             for fut in pending:
                 fut.cancel()
-            for stream in job.streams:
-                if not stream.finished:
-                    self.engine.abort(stream.request_id)
-                self._log_end(stream, job.arrival_time)
+            self._end(job)
+
+    def _end(self, job: _Job) -> None:
+        """Abort the job's unfinished engine requests, then log and count each one (once)."""
+        if job.ended:
+            return
+        job.ended = True
+        for stream in job.streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+            self._log_end(stream, job.arrival_time)
 
     async def _collect(self, job: _Job) -> None:
         try:
