@@ -1,0 +1,364 @@
+"""Paged-attention kernel benchmarks, the decode roofline, and accelerator compile checks.
+
+``python -m benchmarks.kernels``                  time attention backends per call on this platform
+``python -m benchmarks.kernels --roofline``       decode bytes/FLOPs table for docs/roofline.md
+``python -m benchmarks.kernels --compile-check``  compile the TPU kernel with libtpu and the GPU kernel
+                                                  with Triton, without an accelerator
+
+On CPU the Pallas kernel runs in interpret mode (a Python-built XLA loop), so its timings say
+nothing about GPU/TPU speed. On a GPU/TPU the table adds achieved GB/s against the HBM peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    tied: bool
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """q, k, v, o projections and the gated MLP (gate, up, down); no biases."""
+        q = self.q_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.mlp
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters every decode step multiplies with: all layers plus the LM head."""
+        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        embed = 0 if self.tied else self.vocab * self.hidden
+        norms = (2 * self.layers + 1) * self.hidden
+        return self.matmul_params + embed + norms
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V of one token over all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    hbm_bytes: float
+
+
+MODELS = (
+    ModelShape("SmolLM2-135M", layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, mlp=1536,
+               vocab=49152, tied=True),
+    ModelShape("Llama-3-8B", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336,
+               vocab=128256, tied=False),
+)
+CHIPS = (
+    Chip("H100 SXM", hbm_bytes_per_s=3.35e12, bf16_flops=989e12, hbm_bytes=80e9),
+    Chip("TPU v5e", hbm_bytes_per_s=819e9, bf16_flops=197e12, hbm_bytes=16e9),
+)
+
+
+def decode_step(model: ModelShape, chip: Chip, batch: int, context: int) -> dict:
+    """Bytes and FLOPs of one bf16 decode step: ``batch`` sequences, each attending to ``context`` tokens.
+
+    Bytes: every weight once (the input embedding only for the looked-up rows), the K/V of the
+    live context, and the new tokens' K/V writes. Activations are left out (a few MB at most).
+    FLOPs: 2 per weight per token for the matmuls; 4 * Hq * D per context token per layer for
+    QK^T and PV.
+    """
+    weights = 2 * (model.params - (0 if model.tied else model.vocab * model.hidden)
+                   + batch * model.hidden)
+    kv_read = batch * context * model.kv_bytes_per_token
+    kv_write = batch * model.kv_bytes_per_token
+    matmul_flops = 2 * batch * model.matmul_params
+    attn_flops = 4 * batch * context * model.layers * model.q_heads * model.head_dim
+    t_mem = (weights + kv_read + kv_write) / chip.hbm_bytes_per_s
+    t_flops = (matmul_flops + attn_flops) / chip.bf16_flops
+    t = max(t_mem, t_flops)
+    resident = 2 * model.params + batch * context * model.kv_bytes_per_token
+    return dict(model=model.name, chip=chip.name, batch=batch, context=context, weight_gb=weights / 1e9,
+                kv_gb=(kv_read + kv_write) / 1e9, matmul_gflop=matmul_flops / 1e9,
+                attn_gflop=attn_flops / 1e9, t_mem_ms=t_mem * 1e3, t_flops_ms=t_flops * 1e3,
+                bound="memory" if t_mem >= t_flops else "compute", tokens_per_s=batch / t,
+                attn_share=kv_read / (weights + kv_read + kv_write),
+                fits=resident <= chip.hbm_bytes)
+
+
+def roofline_table() -> str:
+    """Markdown table of ``decode_step`` over both models, both chips, batch 1/32/256 and context 512/4096."""
+    head = ("| model | chip | batch | context | weights GB | KV GB | matmul GFLOP | attn GFLOP | "
+            "t_mem ms | t_flop ms | bound | tokens/s ≤ | KV share of bytes | fits HBM |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for model in MODELS:
+        for chip in CHIPS:
+            for batch in (1, 32, 256):
+                for context in (512, 4096):
+                    r = decode_step(model, chip, batch, context)
+                    lines.append(
+                        f"| {r['model']} | {r['chip']} | {batch} | {context} | {r['weight_gb']:.3f} | "
+                        f"{r['kv_gb']:.3f} | {r['matmul_gflop']:.1f} | {r['attn_gflop']:.2f} | "
+                        f"{r['t_mem_ms']:.3f} | {r['t_flops_ms']:.3f} | {r['bound']} | "
+                        f"{r['tokens_per_s']:,.0f} | {r['attn_share']:.0%} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def ridge_points() -> str:
+    rows = [f"- {c.name}: {c.bf16_flops / c.hbm_bytes_per_s:.0f} FLOP/byte (bf16 peak / HBM bandwidth)"
+            for c in CHIPS]
+    rows += [f"- {m.name} decode attention: {m.q_heads // m.kv_heads} FLOP/byte "
+             f"(4*Hq*D FLOPs per 2*2*Hkv*D bytes of K/V = Hq/Hkv)" for m in MODELS]
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------ timing
+
+PEAK_HBM = {"H100": 3.35e12, "A100": 2.0e12, "TPU v5 lite": 819e9, "TPU v5": 2.76e12,
+            "TPU v6 lite": 1.64e12, "TPU v4": 1.23e12}
+
+
+def _peak_bandwidth(device_kind: str) -> float | None:
+    for kind, bw in sorted(PEAK_HBM.items(), key=lambda kv: -len(kv[0])):
+        if kind in device_kind:
+            return bw
+    return None
+
+
+def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
+           dtype, seed: int = 0):
+    """Device arrays for one ragged batch (shuffled block ids, a pool with a few spare blocks)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.metadata import AttentionMetadata, build_prefill_tiles, num_prefill_tiles
+
+    rng = np.random.default_rng(seed)
+    q_lens = np.array([r[0] for r in rows], np.int32)
+    ctx = np.array([r[1] for r in rows], np.int32)
+    pages = -(-ctx // block_size)
+    num_blocks = int(pages.sum()) + 8
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    bt = np.zeros((len(rows), int(pages.max())), np.int32)
+    offsets = np.concatenate([[0], np.cumsum(pages)])
+    for r in range(len(rows)):
+        bt[r, :pages[r]] = ids[offsets[r]:offsets[r + 1]]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qsl[-1])
+    tiles = build_prefill_tiles(qsl, 32, num_prefill_tiles(qsl, 32))  # decode-only: no prefill pass
+    md = AttentionMetadata(
+        slot_mapping=jnp.full((T,), -1, jnp.int32), block_tables=jnp.asarray(bt),
+        seq_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl), tile_row=jnp.asarray(tiles[0]),
+        tile_start=jnp.asarray(tiles[1]), tile_len=jnp.asarray(tiles[2]), tile_size=32)
+    kv = jnp.asarray(rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, head_dim)), dtype)
+    q = jnp.asarray(rng.standard_normal((T, q_heads, head_dim)), dtype)
+    live_bytes = int(ctx.sum()) * 2 * kv_heads * head_dim * kv.dtype.itemsize + 2 * q.nbytes
+    return q, kv, md, live_bytes
+
+
+def _time_call(fn, *args, iters: int) -> float:
+    """Median seconds per call after one warm-up (compile) call."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_backends(iters: int, quick: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.dispatch import paged_attention
+    from pallas_kernels.reference import ragged_paged_attention_reference
+
+    platform = jax.default_backend()
+    device = jax.devices()[0]
+    peak = _peak_bandwidth(device.device_kind)
+    on_cpu = platform == "cpu"
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    backends = ["xla", "pallas_interpret" if on_cpu else "pallas", "reference"]
+    shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
+    workloads = [("decode", 1, 512), ("decode", 8, 512), ("decode", 32, 512), ("decode", 8, 2048),
+                 ("prefill 512", 1, 512), ("mixed 8x1 + 256", 8, 1024)]
+    if quick:
+        workloads = workloads[:2]
+    if not on_cpu:
+        workloads += [("decode", 256, 4096)]
+    print(f"platform: {platform} ({device.device_kind}), dtype {jnp.dtype(dtype).name}, "
+          f"attention Hq={shapes['q_heads']} Hkv={shapes['kv_heads']} D={shapes['head_dim']} "
+          f"block_size={shapes['block_size']}")
+    if on_cpu:
+        print("CPU: pallas_interpret is the Pallas kernel run by the interpreter; its timings are not "
+              "representative of GPU/TPU kernels.")
+    header = f"{'workload':<18}{'batch':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
+    print(header + ("    achieved GB/s (% of peak)" if not on_cpu else ""))
+    for kind, batch, context in workloads:
+        if kind == "decode":
+            rows = [(1, context)] * batch
+        elif kind.startswith("prefill"):
+            rows = [(context, context)]
+        else:
+            rows = [(1, context)] * batch + [(256, 768)]
+        q, kv, md, live_bytes = _batch(rows, dtype=dtype, **shapes)
+        cells, best = [], None
+        for backend in backends:
+            if backend == "reference":
+                fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
+            else:
+                fn = jax.jit(functools.partial(paged_attention, backend=backend, scale=0.125))
+            sec = _time_call(fn, q, kv, jnp.int32(0), md, iters=iters)
+            cells.append(f"{sec * 1e3:>15.2f} ms")
+            if backend == "pallas":
+                best = sec
+        line = f"{kind:<18}{batch:>6}{context:>8}  " + "".join(cells)
+        if best is not None:
+            gbs = live_bytes / best / 1e9
+            line += f"    {gbs:8.1f}" + (f" ({live_bytes / best / peak:.0%})" if peak else "")
+        print(line)
+
+
+# ------------------------------------------------------------------------ compile checks
+
+_TPU_CHECK = r"""
+import functools, sys
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+failed = 0
+for topology in ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"):
+    dev = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
+    T, R, W, NB = 256, 64, 64, 8192
+    md = AttentionMetadata(sds((T,), jnp.int32), sds((R, W), jnp.int32), sds((R,), jnp.int32),
+                           sds((R + 1,), jnp.int32), sds((8,), jnp.int32), sds((8,), jnp.int32),
+                           sds((8,), jnp.int32), 32)
+    for hq, hkv, d, bs, dtype in ((9, 3, 64, 16, jnp.bfloat16), (32, 8, 128, 16, jnp.bfloat16),
+                                   (32, 8, 128, 32, jnp.float32), (8, 8, 128, 8, jnp.bfloat16)):
+        for window, cap in ((None, None), (256, 30.0)):
+            f = functools.partial(ragged_paged_attention, scale=0.125, sliding_window=window, soft_cap=cap)
+            name = (f"{dev.device_kind} Hq={hq} Hkv={hkv} D={d} bs={bs} {jnp.dtype(dtype).name} "
+                    f"window={window} cap={cap}")
+            try:
+                jax.jit(f).trace(sds((T, hq, d), dtype), sds((2, 2, NB, bs, hkv, d), dtype),
+                                 sds((), jnp.int32), md).lower().compile()
+                print("compiled", name, flush=True)
+            except Exception as e:  # report every configuration, not just the first failure
+                failed += 1
+                print("FAILED", name, str(e).splitlines()[0][:300], flush=True)
+sys.exit(1 if failed else 0)
+"""
+
+_GPU_CHECK = r"""
+import functools, sys, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax._src.pallas.triton import pallas_call_registration
+import triton
+from triton.backends.compiler import GPUTarget
+from benchmarks.kernels import _batch
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+modules = []
+lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+def capture(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(result.module)
+    return result
+pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+
+failed = 0
+for hq, hkv, d, bs, dtype in ((9, 3, 64, 16, jnp.bfloat16), (32, 8, 128, 16, jnp.bfloat16),
+                               (32, 8, 128, 32, jnp.float32), (8, 8, 128, 8, jnp.bfloat16)):
+    q, kv, md, _ = _batch([(1, 300), (40, 100)], block_size=bs, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype)
+    f = functools.partial(ragged_paged_attention, scale=0.125, sliding_window=256, soft_cap=30.0)
+    jax.jit(f).trace(q, kv, jnp.int32(0), md).lower(lowering_platforms=("cuda",))
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as ttir:
+        ttir.write(modules[-1].operation.get_asm())
+        ttir.flush()
+        for cc in (80, 90):
+            name = f"sm_{cc} Hq={hq} Hkv={hkv} D={d} bs={bs} {jnp.dtype(dtype).name}"
+            try:
+                k = triton.compile(ttir.name, target=GPUTarget("cuda", cc, 32),
+                                   options=dict(num_warps=4, num_stages=2))
+                print("compiled", name, f"cubin {len(k.asm['cubin'])} B, shared memory {k.metadata.shared} B",
+                      flush=True)
+            except Exception as e:
+                failed += 1
+                print("FAILED", name, str(e).splitlines()[0][:300], flush=True)
+sys.exit(1 if failed else 0)
+"""
+
+
+def compile_check(libtpu_dir: str | None, triton_dir: str | None) -> int:
+    """Compile for real targets from a CPU host, each in a subprocess with the extra package on its path.
+
+    TPU: jax's deviceless AOT path (``jax.experimental.topologies``) with libtpu runs Mosaic's
+    full pipeline for v4/v5e/v5p/v6e. libtpu must match jax (``libtpu==0.0.42.*`` for jax
+    0.10.2); install it into a separate directory (``pip install --target DIR``) so that
+    ordinary runs do not try to start a TPU backend. GPU: the Pallas Triton IR is compiled to a
+    cubin with the ``triton`` package (which ships ptxas); XLA's bundled Triton may differ in
+    version. Returns the number of failed checks.
+    """
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    failures = 0
+    checks = (("TPU (libtpu)", libtpu_dir, _TPU_CHECK,
+               dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
+                    TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0")),
+              ("GPU (triton)", triton_dir, _GPU_CHECK, {}))
+    for name, extra_path, script, env in checks:
+        print(f"== {name}", flush=True)
+        if extra_path is None:
+            print("skipped: pass the directory that holds the package")
+            continue
+        env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([extra_path, repo])}
+        failures += subprocess.run([sys.executable, "-c", script], env=env, cwd=repo).returncode != 0
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--roofline", action="store_true", help="print the decode roofline table")
+    parser.add_argument("--compile-check", action="store_true", help="compile for TPU/GPU without devices")
+    parser.add_argument("--libtpu", help="directory holding the libtpu package (for --compile-check)")
+    parser.add_argument("--triton", help="directory holding the triton package (for --compile-check)")
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per backend and workload")
+    parser.add_argument("--quick", action="store_true", help="only the two smallest workloads")
+    args = parser.parse_args(argv)
+    if args.roofline:
+        print(ridge_points())
+        print()
+        print(roofline_table())
+        return 0
+    if args.compile_check:
+        return 1 if compile_check(args.libtpu, args.triton) else 0
+    time_backends(args.iters, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Pallas ragged paged attention (interpret mode on CPU) against the jnp reference, plus KV ops.
+
+Every batch is built on the host with numpy: shuffled physical block ids, lengths that are
+not multiples of the block size, padding rows and padding tokens, block-table padding with
+out-of-range ids. Each reference case also reruns the kernel on a pool where every slot that
+holds no live context (unused pages, the tail of each row's last page) is NaN, and requires
+the same output.
+
+Tolerances: float32 1e-5 (observed ~1e-6). bfloat16 2e-2 absolute + 1e-2 relative, i.e. about
+two bf16 ulps at magnitude 1: the kernel feeds probabilities to the P @ V matmul in bf16, as the
+MXU / tensor cores do, while the reference keeps them in float32; both round the output to bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.dispatch import paged_attention
+from pallas_kernels.kv_ops import copy_blocks, write_kv
+from pallas_kernels.metadata import PAD_SLOT, AttentionMetadata, build_prefill_tiles, num_prefill_tiles
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+LAYERS = 2
+LAYER = 1  # attend through the last layer so a wrong layer index cannot pass
+TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    rows: tuple[tuple[int, int], ...]   # (query tokens, context after the step) per live row
+    block_size: int
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    dtype: str = "float32"
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    scale: float | None = None          # default 1/sqrt(head_dim)
+    pad_rows: int = 1
+    pad_tokens: int = 3
+
+
+@dataclasses.dataclass
+class Batch:
+    q: jax.Array
+    kv: jax.Array
+    kv_poisoned: jax.Array   # every slot without live context is NaN
+    md: AttentionMetadata
+
+
+def build_batch(case: Case, seed: int = 0) -> Batch:
+    """Numpy-built ragged batch with shuffled block ids from a pool with spare blocks."""
+    rng = np.random.default_rng(seed)
+    bs = case.block_size
+    q_lens = np.array([r[0] for r in case.rows] + [0] * case.pad_rows, np.int32)
+    ctx = np.array([r[1] for r in case.rows] + [0] * case.pad_rows, np.int32)
+    assert np.all(q_lens <= ctx)
+    R = len(q_lens)
+    pages = -(-ctx // bs)
+    W = int(pages.max(initial=0)) + 1                       # one spare padding column
+    num_blocks = int(pages.sum()) + 5
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    # Padding entries are out-of-range ids: using one reads outside the pool (the TPU interpreter raises).
+    block_tables = np.full((R, W), num_blocks + 1000, np.int32)
+    live = np.zeros((num_blocks, bs), bool)                 # slots holding context
+    start = 0
+    for r in range(R):
+        own = ids[start:start + pages[r]]
+        start += pages[r]
+        block_tables[r, :pages[r]] = own
+        pos = np.arange(ctx[r])
+        live[own[pos // bs], pos % bs] = True
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qsl[-1]) + case.pad_tokens
+    dtype = jnp.dtype(case.dtype)
+    kv = rng.standard_normal((LAYERS, 2, num_blocks, bs, case.kv_heads, case.head_dim)).astype(np.float32)
+    poisoned = np.where(live[None, None, :, :, None, None], kv, np.nan)
+    q = rng.standard_normal((T, case.q_heads, case.head_dim)).astype(np.float32)
+    slot = np.full(T, PAD_SLOT, np.int32)
+    tile_size = 16
+    tiles = build_prefill_tiles(qsl, tile_size, max(1, num_prefill_tiles(qsl, tile_size)))
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slot), block_tables=jnp.asarray(block_tables),
+                           seq_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl),
+                           tile_row=jnp.asarray(tiles[0]), tile_start=jnp.asarray(tiles[1]),
+                           tile_len=jnp.asarray(tiles[2]), tile_size=tile_size)
+    return Batch(jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(poisoned, dtype), md)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "variant", "interpret",
+                                             "q_tile", "pages_per_step", "kv_heads_per_program"))
+def run_kernel(q, kv, layer, md, **kw):
+    return ragged_paged_attention(q, kv, layer, md, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
+def run_reference(q, kv, layer, md, **kw):
+    return ragged_paged_attention_reference(q, kv, layer, md, **kw)
+
+
+def attn_kwargs(case: Case) -> dict:
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    return dict(scale=scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+
+
+def check_against_reference(case: Case, *, variant: str = "interpret", interpret=True, **tiles) -> None:
+    b = build_batch(case)
+    kw = attn_kwargs(case)
+    layer = jnp.int32(LAYER)
+    out = run_kernel(b.q, b.kv, layer, b.md, variant=variant, interpret=interpret, **kw, **tiles)
+    ref = run_reference(b.q, b.kv, layer, b.md, **kw)
+    assert out.shape == b.q.shape and out.dtype == b.q.dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if case.dtype == "float32" else dict(atol=2e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+    # Padding tokens come out as exact zeros.
+    n_live = int(b.md.query_start_loc[-1])
+    np.testing.assert_array_equal(np.asarray(out[n_live:], np.float32), 0.0)
+    # Nothing outside a row's live context is read: NaN there changes nothing.
+    dirty = run_kernel(b.q, b.kv_poisoned, layer, b.md, variant=variant, interpret=interpret, **kw, **tiles)
+    assert np.all(np.isfinite(np.asarray(dirty, np.float32)))
+    np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(out, np.float32))
+
+
+CASES = {
+    "mixed-bs8-d64-gqa1": Case(rows=((1, 1), (1, 9), (7, 40), (13, 13), (1, 100)), block_size=8,
+                               head_dim=64, q_heads=2, kv_heads=2, pad_rows=2, pad_tokens=5),
+    "decode-bs16-d128-gqa3": Case(rows=((1, 1), (1, 17), (1, 250), (1, 1000), (1, 33)), block_size=16,
+                                  head_dim=128, q_heads=6, kv_heads=2),
+    "prefill-bs32-d64-gqa4": Case(rows=((33, 33), (50, 300), (20, 20)), block_size=32, head_dim=64,
+                                  q_heads=4, kv_heads=1, pad_tokens=0),
+    "long-bs16-d64-gqa8": Case(rows=((1, 2047), (40, 1999), (1, 1)), block_size=16, head_dim=64,
+                               q_heads=8, kv_heads=1),
+    "window-bs16-d64-gqa3": Case(rows=((1, 300), (45, 117), (1, 5), (20, 20)), block_size=16,
+                                 head_dim=64, q_heads=3, kv_heads=1, sliding_window=37),
+    "softcap-bs8-d128-gqa4": Case(rows=((1, 77), (30, 60)), block_size=8, head_dim=128, q_heads=8,
+                                  kv_heads=2, soft_cap=2.0, scale=1.0),
+    "window-softcap-bs32-d128-gqa1": Case(rows=((1, 1500), (64, 700)), block_size=32, head_dim=128,
+                                          q_heads=2, kv_heads=2, sliding_window=200, soft_cap=10.0),
+    "bf16-mixed-bs16-d128-gqa4": Case(rows=((1, 600), (25, 25), (1, 3), (9, 130)), block_size=16,
+                                      head_dim=128, q_heads=8, kv_heads=2, dtype="bfloat16"),
+    "bf16-window-bs8-d64-gqa8": Case(rows=((1, 401), (16, 90)), block_size=8, head_dim=64, q_heads=8,
+                                     kv_heads=1, dtype="bfloat16", sliding_window=64, soft_cap=30.0),
+    "all-padding": Case(rows=(), block_size=16, head_dim=64, q_heads=4, kv_heads=2, pad_rows=3,
+                        pad_tokens=8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpret_matches_reference(name: str) -> None:
+    check_against_reference(CASES[name])
+
+
+@pytest.mark.parametrize("tiles", [dict(q_tile=8, pages_per_step=1, kv_heads_per_program=2),
+                                   dict(q_tile=3, pages_per_step=3)], ids=["page-chunks-2-heads", "odd-tiles"])
+def test_interpret_tile_parameters(tiles: dict) -> None:
+    case = dataclasses.replace(CASES["window-bs16-d64-gqa3"], q_heads=6, kv_heads=2)
+    check_against_reference(case, **tiles)
+
+
+@pytest.mark.parametrize("name", ["mixed-bs8-d64-gqa1", "decode-bs16-d128-gqa3", "window-bs16-d64-gqa3",
+                                  "bf16-mixed-bs16-d128-gqa4"])
+def test_gpu_kernel_interpreted(name: str) -> None:
+    """The Triton variant's logic (row tiles, masked loads/stores, page gathers) in interpret mode."""
+    check_against_reference(CASES[name], variant="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("case", [
+    Case(rows=((1, 37), (9, 50), (1, 1), (17, 17)), block_size=16, head_dim=64, q_heads=6, kv_heads=2,
+         sliding_window=20, soft_cap=5.0),
+    Case(rows=((1, 70), (12, 12)), block_size=16, head_dim=128, q_heads=3, kv_heads=1,
+         dtype="bfloat16"),
+], ids=["f32-window-softcap", "bf16-gqa3"])
+def test_tpu_kernel_interpreted(case: Case) -> None:
+    """The Mosaic variant (DMAs, semaphores, double buffer) under the TPU interpreter.
+
+    The interpreter raises on out-of-bounds reads, starts VMEM as NaN and checks for races
+    between DMAs and compute.
+    """
+    check_against_reference(case, variant="tpu", interpret=TPU_INTERPRET, q_tile=8, pages_per_step=2)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: race detector state
+    races = getattr(interpret_pallas_call, "races", None)
+    assert races is None or not races.races_found
+
+
+def test_layer_scan_with_traced_layer() -> None:
+    """Inside ``lax.scan`` the layer is a traced scalar and the whole pool is passed each step."""
+    case = CASES["mixed-bs8-d64-gqa1"]
+    b = build_batch(case)
+    kw = attn_kwargs(case)
+
+    @jax.jit
+    def all_layers(q, kv, md):
+        step = lambda carry, layer: (carry, ragged_paged_attention(q, kv, layer, md, interpret=True, **kw))  # noqa: E731
+        return jax.lax.scan(step, None, jnp.arange(LAYERS, dtype=jnp.int32))[1]
+
+    outs = all_layers(b.q, b.kv, b.md)
+    for layer in range(LAYERS):
+        ref = run_reference(b.q, b.kv, jnp.int32(layer), b.md, **kw)
+        np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_pallas_interpret_matches_xla() -> None:
+    case = CASES["bf16-mixed-bs16-d128-gqa4"]
+    b = build_batch(case)
+    kw = attn_kwargs(case)
+    run = jax.jit(paged_attention, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
+    pallas = run(b.q, b.kv, jnp.int32(LAYER), b.md, backend="pallas_interpret", **kw)
+    xla = run(b.q, b.kv, jnp.int32(LAYER), b.md, backend="xla", **kw)
+    np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("platform,call", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lowers_for_accelerators(platform: str, call: str, dtype: str) -> None:
+    """``variant=None`` picks the kernel by lowering platform; lowering runs on a CPU-only host.
+
+    This checks Pallas -> Mosaic / Triton IR. Mosaic's layout passes and the Triton -> PTX
+    compile run later, on the device's compiler (see ``python -m benchmarks.kernels --compile-check``).
+    """
+    case = dataclasses.replace(CASES["window-softcap-bs32-d128-gqa1"], q_heads=12, kv_heads=3, dtype=dtype)
+    b = build_batch(case)
+    fn = functools.partial(ragged_paged_attention, **attn_kwargs(case))
+    text = jax.jit(fn).trace(b.q, b.kv, jnp.int32(LAYER), b.md).lower(lowering_platforms=(platform,)).as_text()
+    assert call in text
+
+
+def test_rejects_bad_shapes() -> None:
+    b = build_batch(CASES["mixed-bs8-d64-gqa1"])
+    with pytest.raises(ValueError, match="incompatible"):
+        ragged_paged_attention(b.q[:, :1], b.kv[:, :, :, :, :, :32], LAYER, b.md, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="power-of-two"):
+        ragged_paged_attention(b.q, b.kv, LAYER, b.md, scale=1.0, variant="gpu", interpret=True, q_tile=12)
+
+
+# ------------------------------------------------------------------------------ KV ops
+
+
+def test_write_kv_lands_at_slots_and_skips_padding() -> None:
+    L, NB, bs, Hkv, D = 3, 6, 4, 2, 8
+    rng = np.random.default_rng(1)
+    pages = rng.standard_normal((L, 2, NB, bs, Hkv, D)).astype(np.float32)
+    k = rng.standard_normal((5, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((5, Hkv, D)).astype(np.float32)
+    slots = np.array([4 * 3 + 1, PAD_SLOT, 0, 4 * 5 + 3, PAD_SLOT], np.int32)
+    out = np.asarray(jax.jit(write_kv)(jnp.asarray(pages), jnp.int32(2), k, v, slots))
+    expected = pages.copy()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            expected[2, 0, s // bs, s % bs] = k[t]
+            expected[2, 1, s // bs, s % bs] = v[t]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_write_kv_casts_to_pool_dtype() -> None:
+    pages = jnp.zeros((1, 2, 2, 4, 1, 8), jnp.bfloat16)
+    k = jnp.full((1, 1, 8), 1.5, jnp.float32)
+    out = jax.jit(write_kv)(pages, 0, k, -k, jnp.array([5], jnp.int32))
+    assert out.dtype == jnp.bfloat16
+    assert float(out[0, 0, 1, 1, 0, 0]) == 1.5 and float(out[0, 1, 1, 1, 0, 0]) == -1.5
+    assert float(jnp.abs(out).sum()) == 2 * 1.5 * 8
+
+
+def test_copy_blocks_copies_every_layer_and_skips_negative_dst() -> None:
+    L, NB, bs, Hkv, D = 2, 7, 4, 1, 4
+    pages = np.random.default_rng(2).standard_normal((L, 2, NB, bs, Hkv, D)).astype(np.float32)
+    src = np.array([1, 3, 2], np.int32)
+    dst = np.array([5, -1, 0], np.int32)
+    out = np.asarray(jax.jit(copy_blocks)(jnp.asarray(pages), src, dst))
+    expected = pages.copy()
+    expected[:, :, 5] = pages[:, :, 1]
+    expected[:, :, 0] = pages[:, :, 2]
+    np.testing.assert_array_equal(out, expected)
