@@ -111,3 +111,12 @@ def test_requests_arriving_mid_decode_match_hf(reference, prompts):
                 outs[o.request_id] = o
         step += 1
     assert_matches_hf([outs[f"r{i}"] for i in range(len(prompts))], ref)
+
+
+@pytest.mark.parametrize("variant", ["gqa_untied", "mha_tied"])
+def test_pallas_interpret_backend_matches_xla_and_hf(variant, reference, prompts):
+    """The Pallas kernel (interpret mode on CPU) inside the whole engine: same greedy tokens as HF,
+    with chunked prefill mixing prompt chunks and decodes in one launch."""
+    path, ref = reference(variant)
+    _, outs = generate(path, prompts, attention_backend="pallas_interpret", max_num_batched_tokens=32)
+    assert_matches_hf(outs, ref)
