@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import socket
 import threading
@@ -369,6 +370,20 @@ def test_api_key(engine):
         assert [m.id for m in authed.models.list().data] == [MODEL]
         assert httpx.get(f"{base}/health").status_code == 200          # probes stay open
         assert httpx.get(f"{base}/metrics").status_code == 200
+
+
+def test_request_logging(engine, client, caplog):
+    secret = "my secret prompt text"
+    with caplog.at_level(logging.INFO, logger="jaxpaged.server"):
+        resp = client.completions.create(model=MODEL, prompt=secret, max_tokens=3, extra_body={"ignore_eos": True})
+        with serve(build_app(engine, MODEL, log_prompts=True)) as base:
+            openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60).completions.create(
+                model=MODEL, prompt=secret, max_tokens=3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxpaged.server"]
+    mine = [line for line in lines if line.startswith(resp.id)]
+    assert len(mine) == 1 and re.search(r"\d+ prompt tokens, 3 generated tokens, [\d.]+ s, finish=length", mine[0])
+    assert secret not in mine[0]
+    assert sum(secret in line for line in lines) == 1         # only the --log-prompts server logs it
 
 
 def test_disconnected_streams_free_everything(url):
