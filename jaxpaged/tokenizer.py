@@ -111,3 +111,10 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """Call once, when the output is finished: emit what is held back, even an incomplete
+        character (as U+FFFD, like a full decode), so the final text equals the full decode."""
+        delta = self._decode(self._ids)[len(self._prefix_text):]
+        self.text += delta
+        return delta

@@ -175,3 +175,18 @@ def test_incremental_equals_full_decode_sentencepiece(sp_tokenizer, prompt, outp
     # Without one, the text is exactly decode(output_ids).
     detok = stream(tok, [], output_ids, chunks)
     assert detok.text == tok.decode(output_ids)
+
+
+def test_flush_emits_an_unfinished_character_like_a_full_decode(smollm2_tokenizer):
+    """An output that ends mid-character: the held-back text (including the complete character
+    before the split one) comes out at the end, as the full decode has it."""
+    tok = smollm2_tokenizer
+    rng = random.Random(7)
+    partial = tok.encode("你好世界 😀")
+    for _ in range(40):
+        output = tok.encode("ab") + [rng.choice(partial) for _ in range(rng.randrange(1, 6))]
+        detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+        for t in output:
+            detok.step([t])
+        detok.flush()
+        assert detok.text == tok.decode(output)
