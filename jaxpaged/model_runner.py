@@ -112,6 +112,19 @@ def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
     return a
 
 
+def _penalty_counts(r: Request) -> dict[int, int]:
+    """The request's penalty pairs, token -> output count, brought up to date with its new output
+    tokens: kept on the request, so a step costs O(new tokens), not O(prompt + output)."""
+    if r.penalty_counts is None:
+        with_prompt = r.sampling_params.repetition_penalty != 1.0
+        r.penalty_counts = dict.fromkeys(r.prompt_token_ids, 0) if with_prompt else {}
+    counts = r.penalty_counts
+    for t in r.output_token_ids[r.num_penalty_counted:]:
+        counts[t] = counts.get(t, 0) + 1
+    r.num_penalty_counted = r.num_output_tokens
+    return counts
+
+
 def _logprobs_width(n: int) -> int:
     """Top logprobs computed for the batch: none beyond the chosen token's, or the most allowed
     (two variants only: a top-20 costs little more than a top-1)."""
@@ -220,7 +233,7 @@ class ModelRunner:
         presence, frequency, repetition = np.zeros(R_b, f32), np.zeros(R_b, f32), np.ones(R_b, f32)
         top_k = np.zeros(R_b, np.int32)
         seeds = np.zeros(R_b, np.uint64)
-        pen_rows, pen_tokens, pen_is_output = [], [], []
+        pen_rows, pen_tokens, pen_counts = [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         width = -1
         for i, r in enumerate(reqs):
@@ -229,12 +242,10 @@ class ModelRunner:
             presence[i], frequency[i], repetition[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
             seeds[i] = r.seed & _SEED_MASK
             if sp.needs_penalties:
-                out = np.asarray(r.output_token_ids, np.int32)
-                prompt = (np.asarray(r.prompt_token_ids, np.int32) if sp.repetition_penalty != 1.0
-                          else np.zeros(0, np.int32))
-                pen_tokens += [prompt, out]
-                pen_is_output += [np.zeros(len(prompt), bool), np.ones(len(out), bool)]
-                pen_rows.append(np.full(len(prompt) + len(out), i, np.int32))
+                counts = _penalty_counts(r)
+                pen_rows.append(np.full(len(counts), i, np.int32))
+                pen_tokens.append(np.fromiter(counts.keys(), np.int32, len(counts)))
+                pen_counts.append(np.fromiter(counts.values(), np.float32, len(counts)))
             bias = dict(sp.logit_bias)
             if r.num_output_tokens < sp.min_tokens:
                 # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
@@ -264,7 +275,7 @@ class ModelRunner:
             position=position,
             penalty_rows=_padded(cat(pen_rows, np.int32), Np, R_b),
             penalty_tokens=_padded(cat(pen_tokens, np.int32), Np, 0),
-            penalty_is_output=_padded(cat(pen_is_output, bool), Np, False),
+            penalty_counts=_padded(cat(pen_counts, np.float32), Np, 0.0),
             bias_rows=_padded(np.asarray(bias_rows, np.int32), Nb, R_b),
             bias_tokens=_padded(np.asarray(bias_tokens, np.int32), Nb, 0),
             bias_values=_padded(np.asarray(bias_values, np.float32), Nb, 0.0))

@@ -75,6 +75,11 @@ class Request:
     """Per generated token, when ``sampling_params.logprobs`` is set."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """``[None, lp(prompt[1]), ...]`` as far as computed, when this request computes prompt logprobs."""
+    penalty_counts: dict[int, int] | None = None
+    """For penalties: token -> count in the output, over the tokens seen (the prompt's count 0);
+    kept up to date by the model runner."""
+    num_penalty_counted: int = 0
+    """Output tokens already in ``penalty_counts``."""
     sample_index: int = 0
     """Which of the request's ``best_of`` samples this is (``forks`` holds samples 1..best_of-1)."""
     forks: list["Request"] = field(default_factory=list)

@@ -53,7 +53,9 @@ class SamplerFlags:
 class SamplingTensors:
     """Per-row sampling inputs (padding rows: temperature 0, no penalties) and compact lists.
 
-    Penalty and bias lists are flat, padded with row index ``R`` (out of range: dropped).
+    Penalty and bias lists are flat and hold each (row, token) at most once; they are padded
+    with row index ``R`` (out of range: dropped). A penalty pair is a token seen in the row's
+    prompt (when it has a repetition penalty) or output, with its count in the output.
     """
 
     temperature: jax.Array         # [R] f32; 0 = greedy
@@ -68,7 +70,7 @@ class SamplingTensors:
     position: jax.Array            # [R] int32: sequence index of the token being sampled
     penalty_rows: jax.Array        # [Np] int32
     penalty_tokens: jax.Array      # [Np] int32
-    penalty_is_output: jax.Array   # [Np] bool: an output token (else a prompt token)
+    penalty_counts: jax.Array      # [Np] f32: occurrences in the output
     bias_rows: jax.Array           # [Nb] int32
     bias_tokens: jax.Array         # [Nb] int32
     bias_values: jax.Array         # [Nb] f32 (-inf masks a token)
@@ -135,17 +137,27 @@ def _midpoint(lo: jax.Array, hi: jax.Array) -> jax.Array:
     return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
 
 
-def _by_row_chunks(fn, *rows: jax.Array) -> jax.Array:
-    """``fn`` over chunks of rows in a device loop, so each chunk's passes stay in cache."""
-    R = rows[0].shape[0]
-    c = _ROW_CHUNK if R % _ROW_CHUNK == 0 else 1
-    out = jax.lax.map(lambda a: fn(*a), tuple(r.reshape(R // c, c, *r.shape[1:]) for r in rows))
-    return out.reshape(R, *out.shape[2:])
+def _on_rows(fn, need: jax.Array, fast: jax.Array, *row_args: jax.Array) -> jax.Array:
+    """``fast`` with its rows where ``need`` holds replaced by ``fn(*row_args)`` on those rows.
+
+    The needed rows are gathered ``_ROW_CHUNK`` at a time in a device loop that runs once per
+    chunk of them (zero times when none needs it): the cost follows the number of such rows,
+    and each chunk stays in cache across the bisection's passes.
+    """
+    R = need.shape[0]
+    C = min(_ROW_CHUNK, R)
+    idx = jnp.nonzero(need, size=-(-R // C) * C, fill_value=R)[0]  # needed rows first, then R (none)
+
+    def chunk(g: jax.Array, out: jax.Array) -> jax.Array:
+        sel = jax.lax.dynamic_slice(idx, (g * C,), (C,))
+        take = jnp.minimum(sel, R - 1)
+        return out.at[sel].set(fn(*(a[take] for a in row_args)), mode="drop")
+    return jax.lax.fori_loop(0, (jnp.sum(need) + C - 1) // C, chunk, fast)
 
 
-def _bisect_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
-    """Exact k-th largest value per row: the largest v with #{x >= v} >= k (ties all kept)."""
-    keys = _float_key(x)
+def _bisect_top_k(xs: jax.Array, k: jax.Array) -> jax.Array:
+    """Exact k-th largest value per row: the largest v with #{xs >= v} >= k (ties all kept)."""
+    keys = _float_key(xs)
     lo, hi = keys.min(-1), keys.max(-1) + 1      # #{>= lo} = V >= k; #{>= hi} = 0 < k
 
     def body(_, c):
@@ -157,52 +169,72 @@ def _bisect_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
     return _key_float(lo)
 
 
-def _bisect_top_p(x: jax.Array, e: jax.Array, target: jax.Array) -> jax.Array:
-    """Exact nucleus threshold per row: the smallest v whose strictly-larger mass is < target."""
-    keys = _float_key(x)
+def _bisect_top_p(xs: jax.Array, w: jax.Array, target: jax.Array) -> jax.Array:
+    """Exact nucleus threshold per row: the smallest v whose mass strictly above is < target.
+
+    ``w`` holds the kept tokens' weights (0 elsewhere), ``target`` is top_p times their sum.
+    """
+    keys = _float_key(jnp.where(w > 0, xs, -jnp.inf))
     lo, hi = keys.min(-1) - 1, keys.max(-1)      # mass above lo = all >= target; above hi = 0
 
     def body(_, c):
         lo, hi = c
         mid = _midpoint(lo, hi)
-        ok = jnp.sum(jnp.where(keys > mid[:, None], e, 0.0), -1) < target
+        ok = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), -1) < target
         return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
     _, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
     return _key_float(hi)
 
 
-def _top_k_top_p_threshold(xs: jax.Array, m: jax.Array, floor: jax.Array, top_k: jax.Array,
-                           top_p: jax.Array) -> jax.Array:
-    """The smallest kept logit per row (-inf keeps all): top-k, then top-p on the renormalized rest.
+def _kept_weights(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array) -> jax.Array:
+    """Unnormalized probabilities ``exp(x/t - m)`` of the tokens with ``x/t >= tau``, 0 elsewhere."""
+    xs = x / t[:, None]
+    return jnp.where(xs >= tau[:, None], jnp.exp(xs - m[:, None]), 0.0)
 
-    ``xs`` holds temperature-scaled logits, ``m`` their row max, ``floor`` the min-p threshold.
+
+def _top_k_top_p(x: jax.Array, t: jax.Array, m: jax.Array, floor: jax.Array, top_k: jax.Array,
+                 top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(tau, block_sums)``: the smallest kept scaled logit per row after top-k, then top-p on the
+    renormalized rest, and the kept weights summed per vocabulary block (for the draw).
+
+    ``x / t`` are the temperature-scaled logits, ``m`` their row max, ``floor`` the min-p threshold.
     Top-k and min-p keep upper sets of the same row, so their intersection is the larger threshold.
+    One full pass sums the weights kept by top-k and min-p per block: their total normalizes top-p,
+    and they are the draw's block sums for rows top-p leaves whole. Rows whose nucleus lies within
+    the candidates get their block sums from the candidates; only the others take a second pass.
     """
-    R, V = xs.shape
+    R, V = x.shape
     K = min(CANDIDATES, V)
     rows = jnp.arange(R)
-    cand, _ = jax.lax.top_k(xs, K)                                   # [R, K] descending
     neg_inf = jnp.float32(-jnp.inf)
+    cand, cand_ids = jax.lax.top_k(x, K)                             # descending (t > 0 keeps the order)
+    cand = cand / t[:, None]
 
-    k_fast = (top_k == 0) | (top_k <= K)
     tau_k = jnp.where(top_k > 0, cand[rows, jnp.clip(top_k - 1, 0, K - 1)], neg_inf)
-    tau_k = jax.lax.cond(
-        jnp.all(k_fast), lambda: tau_k,
-        lambda: jnp.where(k_fast, tau_k, _by_row_chunks(_bisect_top_k, xs, jnp.minimum(top_k, V))))
+    tau_k = _on_rows(lambda x, t, k: _bisect_top_k(x / t[:, None], k), top_k > K, tau_k, x, t, top_k)
     t1 = jnp.maximum(floor, tau_k)
+    sums1 = _block_sums(x, t, m, t1)
 
-    w = jnp.where(xs >= t1[:, None], jnp.exp(xs - m[:, None]), 0.0)
-    target = top_p * jnp.sum(w, -1)
+    target = top_p * sums1.sum(-1)
     cw = jnp.where(cand >= t1[:, None], jnp.exp(cand - m[:, None]), 0.0)
     reached = _prefix_sums(cw) >= target[:, None]                    # the nucleus ends at the first True
     use_p = top_p < 1.0
-    p_fast = ~use_p | reached[:, -1]
     tau_p = jnp.where(use_p, cand[rows, jnp.argmax(reached, -1)], neg_inf)
-    tau_p = jax.lax.cond(
-        jnp.all(p_fast), lambda: tau_p,
-        lambda: jnp.where(p_fast, tau_p, _by_row_chunks(
-            _bisect_top_p, jnp.where(xs >= t1[:, None], xs, neg_inf), w, target)))
-    return jnp.maximum(t1, tau_p)
+    tau_p = _on_rows(lambda x, t, m, t1, target: _bisect_top_p(x / t[:, None], _kept_weights(x, t, m, t1), target),
+                     use_p & ~reached[:, -1], tau_p, x, t, m, t1, target)
+    tau = jnp.maximum(t1, tau_p)
+
+    narrowed = tau > t1
+    in_cands = cand.min(-1) < tau                                    # every kept token is a candidate
+    from_cands = jnp.zeros_like(sums1).at[rows[:, None], cand_ids // _block_len(V)].add(
+        jnp.where(cand >= tau[:, None], jnp.exp(cand - m[:, None]), 0.0))
+    sums = jnp.where((narrowed & in_cands)[:, None], from_cands, sums1)
+    sums = _on_rows(_block_sums, narrowed & ~in_cands, sums, x, t, m, tau)
+    return tau, sums
+
+
+def _block_len(V: int) -> int:
+    return next((b for b in (256, 128, 64) if V % b == 0), min(DRAW_BLOCK, V))
 
 
 def _blocks(x: jax.Array, fill: float) -> jax.Array:
@@ -212,7 +244,7 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
     select-heavy reduction over the whole row.
     """
     R, V = x.shape
-    L = next((b for b in (256, 128, 64) if V % b == 0), min(DRAW_BLOCK, V))
+    L = _block_len(V)
     B = -(-V // L)
     if B * L != V:
         x = jnp.pad(x, ((0, 0), (0, B * L - V)), constant_values=fill)
@@ -228,51 +260,56 @@ def _argmax(x: jax.Array) -> jax.Array:
     return (b * L + jnp.argmax(inner, -1)).astype(jnp.int32)
 
 
-def _inverse_cdf(xs: jax.Array, m: jax.Array, tau: jax.Array, u: jax.Array) -> jax.Array:
-    """Index drawn with probability proportional to ``exp(xs - m)`` over ``xs >= tau``, for ``u`` in [0, 1).
+def _block_sums(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array) -> jax.Array:
+    """``[R, B]``: per vocabulary block, the summed ``exp(x/t - m)`` of tokens with ``x/t >= tau``."""
+    blocks = _blocks(x / t[:, None], -jnp.inf)
+    return jnp.where(blocks >= tau[:, None, None], jnp.exp(blocks - m[:, None, None]), 0.0).sum(-1)
 
-    Two levels: cumulative block sums pick a block, prefix sums inside it pick the token; only
-    blocks and tokens of non-zero weight can be picked, whatever the rounding.
+
+def _inverse_cdf(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array, sums: jax.Array, u: jax.Array
+                 ) -> jax.Array:
+    """Index drawn with probability proportional to ``exp(x/t - m)`` over ``x/t >= tau``, for ``u`` in
+    [0, 1), given the kept weights' ``_block_sums``.
+
+    Two levels: prefix sums of the block sums pick a block, prefix sums inside it pick the token;
+    only blocks and tokens of non-zero weight can be picked, whatever the rounding.
     """
-    blocks = _blocks(xs, -jnp.inf)
+    blocks = _blocks(x / t[:, None], -jnp.inf)
     L = blocks.shape[2]
-
-    def weights(b: jax.Array) -> jax.Array:
-        return jnp.where(b >= tau.reshape((-1,) + (1,) * (b.ndim - 1)),
-                         jnp.exp(b - m.reshape((-1,) + (1,) * (b.ndim - 1))), 0.0)
-    sums = weights(blocks).sum(-1)                                   # [R, B]
     csum = _prefix_sums(sums)
     target = u * csum[:, -1]
     nonzero = sums > 0
     b = _first_true((csum > target[:, None]) & nonzero, _last_true(nonzero))
     base = jnp.where(b > 0, jnp.take_along_axis(csum, jnp.maximum(b - 1, 0)[:, None], -1)[:, 0], 0.0)
-    inner = weights(jnp.take_along_axis(blocks, b[:, None, None], 1)[:, 0])  # [R, L]
+    inner = jnp.take_along_axis(blocks, b[:, None, None], 1)[:, 0]  # [R, L]
+    inner = jnp.where(inner >= tau[:, None], jnp.exp(inner - m[:, None]), 0.0)
     nonzero = inner > 0
     j = _first_true((_prefix_sums(inner) > (target - base)[:, None]) & nonzero, _last_true(nonzero))
     return (b * L + j).astype(jnp.int32)
 
 
 def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Repetition penalty on tokens seen in prompt or output, then frequency and presence on output counts."""
-    zeros = jnp.zeros(x.shape, jnp.float32)
-    seen = zeros.at[st.penalty_rows, st.penalty_tokens].add(1.0, mode="drop") > 0
-    out_counts = zeros.at[st.penalty_rows, st.penalty_tokens].add(
-        st.penalty_is_output.astype(jnp.float32), mode="drop")
-    rep = jnp.where(seen, st.repetition_penalty[:, None], 1.0)
-    x = jnp.where(x > 0, x / rep, x * rep)
-    return (x - st.frequency_penalty[:, None] * out_counts
-            - st.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32))
+    """Repetition penalty on tokens seen in prompt or output, then frequency and presence on output
+    counts: gathered, adjusted and scattered back at the listed pairs only."""
+    rows = jnp.minimum(st.penalty_rows, x.shape[0] - 1)          # padding reads a real row, writes nothing
+    v = x[rows, st.penalty_tokens]
+    rep = st.repetition_penalty[rows]
+    cnt = st.penalty_counts
+    v = (jnp.where(v > 0, v / rep, v * rep) - st.frequency_penalty[rows] * cnt
+         - st.presence_penalty[rows] * (cnt > 0).astype(jnp.float32))
+    return x.at[st.penalty_rows, st.penalty_tokens].set(v, mode="drop")
 
 
 def _draw(x: jax.Array, st: SamplingTensors, top_k_top_p: bool) -> jax.Array:
     t = jnp.where(st.temperature > 0, st.temperature, 1.0)
-    xs = x / t[:, None]
-    m = jnp.max(xs, -1)
+    m = jnp.max(x / t[:, None], -1)
     tau = m + jnp.log(st.min_p)                                      # p >= min_p * p_max; log(0) = -inf
     if top_k_top_p:
-        tau = _top_k_top_p_threshold(xs, m, tau, st.top_k, st.top_p)
+        tau, sums = _top_k_top_p(x, t, m, tau, st.top_k, st.top_p)
+    else:
+        sums = _block_sums(x, t, m, tau)
     u = jax.vmap(_row_uniform)(st.seed_lo, st.seed_hi, st.position)
-    return _inverse_cdf(xs, m, tau, u)
+    return _inverse_cdf(x, t, m, tau, sums, u)
 
 
 def _logsumexp(x: jax.Array) -> jax.Array:
@@ -282,11 +319,21 @@ def _logsumexp(x: jax.Array) -> jax.Array:
 
 def _top_logprobs(raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rank of ``chosen`` (1 = best) and the ``n`` best (ids, logprobs) of each row."""
-    chosen_logit = jnp.take_along_axis(raw, chosen[:, None], -1)
-    ranks = (jnp.sum(raw > chosen_logit, -1) + 1).astype(jnp.int32)
+    """Rank of ``chosen`` (1 = best) and the ``n`` best (ids, logprobs) of each row.
+
+    A chosen token within the top ``n`` gets its rank from them; only the other rows are counted.
+    """
+    chosen_logit = jnp.take_along_axis(raw, chosen[:, None], -1)[:, 0]
+
+    def counted(raw: jax.Array, c: jax.Array) -> jax.Array:
+        return (jnp.sum(raw > c[:, None], -1) + 1).astype(jnp.int32)
+    R = raw.shape[0]
+    if n == 0:
+        return counted(raw, chosen_logit), jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), raw.dtype)
     vals, ids = jax.lax.top_k(raw, n)
-    return ranks, ids.astype(jnp.int32), vals - lse[:, None]
+    in_top = chosen_logit >= vals.min(-1)                            # not vals[:, -1]: XLA makes that a sort
+    from_top = (jnp.sum(vals > chosen_logit[:, None], -1) + 1).astype(jnp.int32)
+    return _on_rows(counted, ~in_top, from_top, raw, chosen_logit), ids.astype(jnp.int32), vals - lse[:, None]
 
 
 def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> jax.Array:

@@ -20,7 +20,7 @@ DRAWS = 8192
 
 def tensors(R: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0,
             repetition=1.0, seeds=None, position=0, penalties=(), bias=()) -> SamplingTensors:
-    """Per-row arrays (scalars broadcast); ``penalties``: (row, token, is_output); ``bias``: (row, token, value)."""
+    """Per-row arrays (scalars broadcast); ``penalties``: unique (row, token, output count); ``bias``: (row, token, value)."""
     def row(v, dtype):
         return np.broadcast_to(np.asarray(v, dtype), (R,)).copy()
     seeds = np.arange(R, dtype=np.uint64) if seeds is None else np.asarray(seeds, np.uint64)
@@ -33,7 +33,7 @@ def tensors(R: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=
         seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
         position=row(position, np.int32),
         penalty_rows=pen[:, 0].astype(np.int32), penalty_tokens=pen[:, 1].astype(np.int32),
-        penalty_is_output=pen[:, 2].astype(bool),
+        penalty_counts=pen[:, 2].astype(np.float32),
         bias_rows=b[:, 0].astype(np.int32), bias_tokens=b[:, 1].astype(np.int32), bias_values=b[:, 2].astype(np.float32))
 
 
@@ -148,7 +148,7 @@ def test_greedy_is_first_argmax_including_ties():
 def test_penalties_exact_on_hand_made_case():
     logits = np.array([[2.0, -1.0, 0.5, 0.0, 3.0], [2.0, -1.0, 0.5, 0.0, 3.0]], np.float32)
     # Row 0: prompt [0, 1], output [1, 2, 2]; row 1 has no penalties and must not change.
-    pen = [(0, 0, 0), (0, 1, 0), (0, 1, 1), (0, 2, 1), (0, 2, 1)]
+    pen = [(0, 0, 0), (0, 1, 1), (0, 2, 2)]
     st = tensors(2, temperature=0.0, repetition=[2.0, 1.0], frequency=[0.5, 0.0], presence=[0.25, 0.0],
                  penalties=pen)
     got = np.asarray(_process(logits, st, flags_for(st)))
@@ -161,7 +161,7 @@ def test_repetition_penalty_matches_transformers():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(3, 64)).astype(np.float32) * 3
     seqs = [rng.integers(0, 64, size=n) for n in (5, 20, 40)]
-    pen = [(i, int(t), 0) for i, s in enumerate(seqs) for t in s]
+    pen = [(i, int(t), 0) for i, s in enumerate(seqs) for t in set(s.tolist())]
     penalties = [1.3, 0.7, 2.0]
     st = tensors(3, temperature=0.0, repetition=penalties, penalties=pen)
     got = np.asarray(_process(logits, st, flags_for(st)))
@@ -188,8 +188,9 @@ def test_logit_bias_and_masks():
 def test_logprobs_ranks_and_top_n():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(16, 384)).astype(np.float32) * 3
-    st = tensors(16, temperature=[0.0, 1.0] * 8, top_p=0.9)
+    st = tensors(16, temperature=[0.0, 1.0, 5.0, 5.0] * 4)
     out = _sample(logits, st, flags_for(st, num_logprobs=8))
+    assert (np.asarray(out.ranks) > 8).any(), "some chosen tokens must lie outside the top 8"
     ref = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1).numpy()
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(16), tokens], atol=1e-5)
@@ -221,7 +222,7 @@ def test_seeded_draws_are_batch_invariant():
             others[k][R // 2] = v
         seeds = rng.integers(0, 2**63, R).astype(np.uint64)
         seeds[R // 2] = 1234
-        pen = [(i, int(t), 1) for i in range(R) if i != R // 2 for t in rng.integers(0, V, 3)]
+        pen = [(i, int(t), 1) for i in range(R) if i != R // 2 for t in set(rng.integers(0, V, 3).tolist())]
         st = tensors(R, repetition=1.1, seeds=seeds, position=pos, penalties=pen, **others)
         st.repetition_penalty[R // 2] = 1.0
         batch = rng.normal(size=(R, V)).astype(np.float32)
