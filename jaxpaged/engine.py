@@ -298,12 +298,21 @@ class LLMEngine:
         return entries
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
-        """Detokenize the new token and decide whether the sample is done (vLLM's rules and order)."""
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
+        """Detokenize the new token and decide whether the sample is done. A finished sample's
+        detokenizer is flushed, so its text ends as the full decode does (even mid-character)."""
         detok = self._detokenizers[req.request_id]
         before = len(detok.text)
-        detok.step([token])
+        detok.step([req.output_token_ids[-1]])
+        status = self._stop_status(req, detok.text, before)
+        if status is not None:
+            detok.flush()
+        return status
+
+    @staticmethod
+    def _stop_status(req: Request, text: str, before: int) -> RequestStatus | None:
+        """vLLM's stop rules, in its order; ``text[before:]`` is the new token's text."""
+        sp = req.sampling_params
+        token = req.output_token_ids[-1]
         if req.num_output_tokens < sp.min_tokens:
             return None
         eos = token == req.eos_token_id and not sp.ignore_eos
@@ -312,7 +321,6 @@ class LLMEngine:
             if not sp.include_stop_str_in_output:
                 req.output_text_end = before        # the stop token's own text is not output
             return RequestStatus.FINISHED_STOPPED
-        text = detok.text
         hits = [(at, stop) for stop in sp.stop
                 if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
         if hits:

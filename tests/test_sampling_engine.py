@@ -220,6 +220,14 @@ def test_stop_token_ids(llm):
         assert (c.text, c.finish_reason, c.stop_reason) == (text, "stop", stop_id)
 
 
+def test_output_ending_mid_character_ends_as_the_full_decode(llm):
+    tok = llm.get_tokenizer()
+    first_byte = tok.hf.convert_tokens_to_ids("ð")           # byte 0xF0 alone: an incomplete character
+    out = run(llm, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=1, logit_bias={first_byte: 100.0}))
+    c = out[0].outputs[0]
+    assert c.token_ids == [first_byte] and c.text == tok.decode([first_byte]) == "\ufffd"
+
+
 def test_special_tokens_in_text(llm):
     sp = dict(temperature=0.0, max_tokens=3, logit_bias={1: 100.0})     # 1 = <|im_start|>
     assert run(llm, [PROMPTS[0]], SamplingParams(**sp))[0].outputs[0].text == ""
