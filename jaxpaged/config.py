@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _arg(default, help: str):
@@ -35,6 +36,11 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(512, "Token budget of one engine step (prefill chunks + decodes).")
     max_num_seqs: int = _arg(64, "Most requests running in one step.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps, mixed with decodes.")
+    preemption_mode: str = _arg("recompute", f"What preemption does with a request's KV blocks, one of "
+                                f"{PREEMPTION_MODES}: recompute = free them and recompute later; swap = "
+                                "copy them to a host page pool (swap_space) and back (recompute if it is full).")
+    swap_space: int = _arg(512 * 2**20, "Bytes of host memory for swapped-out KV blocks "
+                           "(used with preemption_mode=swap).")
     attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
                                   "auto = Pallas on GPU/TPU, XLA on CPU.")
     seed: int = _arg(0, "Seed for requests that do not give their own.")
@@ -63,6 +69,7 @@ class CacheConfig:
     kv_cache_memory: int
     num_blocks_override: int | None
     enable_prefix_caching: bool
+    swap_space: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,19 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {a.max_num_batched_tokens}.")
         if a.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {a.max_num_seqs}.")
+        if a.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {a.preemption_mode!r}.")
+        if a.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {a.swap_space}.")
         if a.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {a.attention_backend!r}.")
         return cls(
             model=ModelConfig(a.model, a.tokenizer, a.dtype, a.max_model_len, a.seed),
-            cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override, a.enable_prefix_caching),
-            scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill),
+            cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override, a.enable_prefix_caching,
+                              a.swap_space if a.preemption_mode == "swap" else 0),
+            scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill,
+                                      a.preemption_mode),
             attention_backend=a.attention_backend,
             compilation_cache_dir=a.compilation_cache_dir,
         )

@@ -16,6 +16,17 @@ A hit is also verified exactly: the cached block's token ids must equal the requ
 and its parent must be the very block (same physical id, not overwritten since) that the
 request matched one step earlier; so even a digest collision cannot hand a request
 another prefix's KV.
+
+Sharing between sequences (parallel samples, beams): ``fork`` gives a child the parent's
+block table with every block's ref count + 1, including a partly filled last block. The
+first write into a block that others still hold copies it first (copy-on-write): the writer
+gets a fresh block, the (src, dst) pair is queued for the runner's batched device copy
+before the step, and the shared block loses one owner. ``num_block_refs`` (table entries over
+all sequences) against the blocks in use measures what sharing saves.
+
+Swap: ``swap_out`` moves a preempted request's blocks to a host page pool (``HostBlockPool``,
+plain ids; the runner holds the numpy pages) and ``swap_in`` brings them back into fresh
+device blocks; both return the (src, dst) pairs the runner copies before the step.
 """
 
 from __future__ import annotations
@@ -45,6 +56,21 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def root_hash(cache_salt: str | None) -> BlockHash:
     """The chain's root: requests with different salts never share a block."""
     return hashlib.sha256(b"jaxpaged-prefix-root" + (cache_salt or "").encode()).digest()
+
+
+@dataclass(frozen=True)
+class SharingStats:
+    """Blocks saved by sharing: ``(without - used) / without``, where ``without`` counts every
+    sequence's block-table entries (what the sequences would hold with private copies) and
+    ``used`` the distinct blocks they hold."""
+
+    blocks_used: int
+    blocks_without_sharing: int
+
+    @property
+    def saved_fraction(self) -> float:
+        w = self.blocks_without_sharing
+        return (w - self.blocks_used) / w if w else 0.0
 
 
 @dataclass
@@ -77,6 +103,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._block_key: list[tuple[BlockHash, tuple[int, ...], ParentKey] | None] = [None] * num_blocks
         self._generation = [0] * num_blocks    # bumped whenever a block's contents are replaced
+        self._num_refs = 0                     # sum of ref counts: block-table entries over all owners
 
     @property
     def num_usable_blocks(self) -> int:
@@ -94,6 +121,15 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_block_refs(self) -> int:
+        """Sum of all ref counts: the blocks the owners would hold if nothing were shared."""
+        return self._num_refs
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
@@ -122,6 +158,7 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 del self._free_queue[b]
             self._ref_counts[b] += 1
+            self._num_refs += 1
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue, each with ref count 1."""
@@ -130,6 +167,7 @@ class BlockPool:
         if n > len(self._free_queue):
             raise ValueError(f"cannot allocate {n} blocks: only {len(self._free_queue)} free.")
         block_ids = [self._free_queue.popitem(last=False)[0] for _ in range(n)]
+        self._num_refs += n
         for b in block_ids:
             self._ref_counts[b] = 1
             self._generation[b] += 1
@@ -148,6 +186,7 @@ class BlockPool:
                 raise ValueError(f"cannot incref block {b}: it is free.")
         for b in block_ids:
             self._ref_counts[b] += 1
+        self._num_refs += len(block_ids)
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner from each block (in the given order); blocks reaching 0 join the
@@ -163,10 +202,42 @@ class BlockPool:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free_queue[b] = None
+        self._num_refs -= len(block_ids)
 
     def _check_id(self, block_id: int) -> None:
         if not NULL_BLOCK_ID < block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} is not a usable block (1 .. {self.num_blocks - 1}).")
+
+
+class HostBlockPool:
+    """Host-memory pages for swapped-out requests: ids ``0 .. num_blocks - 1``, each with one owner."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"the host pool needs a non-negative number of blocks, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._used = [False] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} host blocks: only {len(self._free)} free.")
+        ids = [self._free.pop() for _ in range(n)]
+        for h in ids:
+            self._used[h] = True
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        if len(set(ids)) != len(ids) or not all(0 <= h < self.num_blocks and self._used[h] for h in ids):
+            raise ValueError(f"double free or bad id among host blocks {ids}.")
+        for h in ids:
+            self._used[h] = False
+            self._free.append(h)
 
 
 class KVCacheManager:
@@ -177,11 +248,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 hash_fn: Callable[[BlockHash, Sequence[int]], BlockHash] = hash_block) -> None:
+                 hash_fn: Callable[[BlockHash, Sequence[int]], BlockHash] = hash_block,
+                 num_host_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self._pending_copies: list[tuple[int, int]] = []
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
@@ -200,21 +274,91 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def sharing_stats(self) -> SharingStats:
+        return SharingStats(self.pool.num_used_blocks, self.pool.num_block_refs)
+
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_tokens`` tokens.
+        """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_tokens`` tokens,
+        first copying (on write) a partly filled block that other sequences still share.
 
         All or nothing: returns False, allocating nothing, if the pool is short.
         """
         total = request.num_computed_tokens + num_new_tokens
-        missing = self.blocks_needed(total) - len(request.block_ids)
-        if missing <= 0:
+        missing = max(0, self.blocks_needed(total) - len(request.block_ids))
+        cow = self._shared_write_block(request, num_new_tokens)
+        needed = missing + (cow is not None)
+        if needed == 0:
             return True
-        if missing > self.pool.num_free_blocks:
+        if needed > self.pool.num_free_blocks:
             return False
+        if cow is not None:
+            src = request.block_ids[cow]
+            dst = self.pool.allocate(1)[0]
+            request.block_ids[cow] = dst
+            self.pool.free([src])          # still held by its other owners
+            self._pending_copies.append((src, dst))
         request.block_ids.extend(self.pool.allocate(missing))
         if self.enable_caching:
             self._publish_full_blocks(request, total)
         return True
+
+    def _shared_write_block(self, request: Request, num_new_tokens: int) -> int | None:
+        """Index of the existing block the next write lands in, if other sequences share it.
+        Only a partly filled last block can be both shared and written: full blocks never are."""
+        if num_new_tokens <= 0:
+            return None
+        i = request.num_computed_tokens // self.block_size
+        if i < len(request.block_ids) and self.pool.ref_count(request.block_ids[i]) > 1:
+            return i
+        return None
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs queued since the last call."""
+        pairs, self._pending_copies = self._pending_copies, []
+        return pairs
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` (no blocks yet) the parent's block table and computed tokens, sharing
+        every block by ref count; the partly filled last block is copied on its first write."""
+        if child.block_ids or child.host_block_ids:
+            raise ValueError(f"cannot fork into request {child.request_id!r}: it already holds blocks.")
+        self.pool.incref(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if parent.request_id in self._hashes:
+            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+        if parent.request_id in self._num_published:
+            self._num_published[child.request_id] = self._num_published[parent.request_id]
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host pages: returns (device, host) pairs to copy before
+        the step, or None (changing nothing) if the host pool is short."""
+        n = len(request.block_ids)
+        if n == 0 or n > self.host_pool.num_free_blocks:
+            return None
+        host = self.host_pool.allocate(n)
+        pairs = list(zip(request.block_ids, host))
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids.clear()
+        request.host_block_ids = host
+        self._num_published.pop(request.request_id, None)
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back into fresh device blocks, plus room for
+        ``num_new_tokens``: (host, device) pairs to copy before the step, or None if short."""
+        n = len(request.host_block_ids)
+        missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - n
+        if n + max(0, missing) > self.pool.num_free_blocks:
+            return None
+        dev = self.pool.allocate(n + max(0, missing))
+        pairs = list(zip(request.host_block_ids, dev[:n]))
+        self.host_pool.free(request.host_block_ids)
+        request.host_block_ids = []
+        request.block_ids = dev
+        if self.enable_caching:
+            self._publish_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return pairs
 
     def get_computed_blocks(self, request: Request) -> int:
         """Give a request with no blocks yet the cached blocks of its longest cached prefix.
@@ -222,7 +366,7 @@ class KVCacheManager:
         Sets ``request.block_ids`` and ``request.num_computed_tokens``; returns the tokens hit.
         At least the last known token is always left to compute (its logits are needed).
         """
-        if not self.enable_caching or request.block_ids:
+        if not self.enable_caching or request.block_ids or request.host_block_ids:
             return 0
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         hits = []
@@ -240,9 +384,13 @@ class KVCacheManager:
         return request.num_computed_tokens
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first, and clear its block table."""
+        """Release the request's blocks (device ones last block first, and any swapped-out
+        host ones) and clear its block table."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
+        if request.host_block_ids:
+            self.host_pool.free(request.host_block_ids)
+            request.host_block_ids = []
         self._hashes.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
 

@@ -134,11 +134,24 @@ def _logprobs_width(n: int) -> int:
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
 
 
+@jax.jit
+def _gather_blocks(kv_pages, idx):
+    return kv_pages[:, :, idx]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(kv_pages, blocks, dst):
+    """``kv_pages[:, :, dst[i]] = blocks[:, :, i]``; ``dst < 0`` is skipped."""
+    dst = jnp.where(dst < 0, kv_pages.shape[2], dst)
+    return kv_pages.at[:, :, dst].set(blocks, mode="drop")
+
+
 class ModelRunner:
     """Owns the parameters, the global KV page array and the jitted step."""
 
     def __init__(self, model: BuiltModel, *, num_blocks: int, block_size: int, dtype: Any,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 num_host_blocks: int = 0):
         self.model = model
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -146,6 +159,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         s = model.shape
         self.kv_pages = jnp.zeros((s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype)
+        # Host page pool for swapped-out blocks (preemption_mode="swap"); zeros are allocated lazily.
+        self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
+                                   self.kv_pages.dtype)
         self.program_keys: set[tuple] = set()
 
     @property
@@ -193,12 +209,18 @@ class ModelRunner:
         prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(reqs, starts, n, qsl)
         NP = len(prompt_idx)
         NP_b = 0 if NP == 0 else _bucket(NP, 1 << 30, floor=MIN_PROMPT_POSITIONS)
-        logits_indices = np.zeros(R_b + NP_b, np.int32)
+        # Sampled rows: one per request, then one per fork (sampled from its parent row's logits).
+        fork_rows = np.asarray([row for row, _ in out.forks], np.int32)
+        S = R + len(fork_rows)
+        S_b = R_b if not len(fork_rows) else max(R_b, _bucket(S, self.max_num_seqs, floor=MIN_ROWS))
+        logits_indices = np.zeros(S_b + NP_b, np.int32)
         logits_indices[:R] = qsl[1:R + 1] - 1
-        logits_indices[R_b:R_b + NP] = prompt_idx
+        logits_indices[R:S] = logits_indices[fork_rows]
+        logits_indices[S_b:S_b + NP] = prompt_idx
         targets = _padded(prompt_targets, NP_b, 0)
-        sampling, flags = self._sampling_arrays(reqs, seq_lens, R_b, prompt_rows)
-        return StepBatch(input_ids, positions, md, logits_indices, sampling, targets, prompt_rows, R, flags)
+        sampling, flags = self._sampling_arrays(reqs + [c for _, c in out.forks],
+                                                np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_rows)
+        return StepBatch(input_ids, positions, md, logits_indices, sampling, targets, prompt_rows, S, flags)
 
     @staticmethod
     def _prompt_logprob_positions(reqs: list[Request], starts: np.ndarray, n: np.ndarray, qsl: np.ndarray
@@ -287,9 +309,10 @@ class ModelRunner:
         return st, flags
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
-        """Run one step; returns the sampled tokens (with logprobs) for ``out.requests``."""
-        if out.blocks_to_copy:
-            self._copy_blocks(out.blocks_to_copy)
+        """Run one step; returns the sampled tokens (with logprobs) for ``out.requests``, then
+        for ``out.forks``. Block transfers come first: swap-outs read blocks this step may
+        reuse, then copy-on-write copies, then swap-ins."""
+        self.apply_block_transfers(out)
         b = self.prepare(out)
         for key in b.program_keys:
             if key not in self.program_keys:
@@ -311,3 +334,27 @@ class ModelRunner:
         dst = np.full(P, -1, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
         self.kv_pages = _copy_blocks(self.kv_pages, src, dst)
+
+    def apply_block_transfers(self, out: SchedulerOutput) -> None:
+        """The step's swap-outs, copy-on-write copies and swap-ins, in that order."""
+        if out.blocks_to_swap_out:
+            self._swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_copy:
+            self._copy_blocks(out.blocks_to_copy)
+        if out.blocks_to_swap_in:
+            self._swap_in(out.blocks_to_swap_in)
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device blocks -> host pages, one batched gather."""
+        dev, host = (np.asarray(a, np.int32) for a in zip(*pairs))
+        idx = _padded(dev, _bucket(len(dev), 1 << 30), 0)
+        blocks = np.asarray(jax.device_get(_gather_blocks(self.kv_pages, idx)))
+        self.host_pages[:, :, host] = blocks[:, :, :len(dev)]
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Host pages -> device blocks, one batched scatter into the donated pool."""
+        host, dev = (np.asarray(a, np.int32) for a in zip(*pairs))
+        P = _bucket(len(dev), 1 << 30)
+        blocks = np.zeros(self.host_pages.shape[:2] + (P,) + self.host_pages.shape[3:], self.host_pages.dtype)
+        blocks[:, :, :len(dev)] = self.host_pages[:, :, host]
+        self.kv_pages = _scatter_blocks(self.kv_pages, blocks, _padded(dev, P, -1))

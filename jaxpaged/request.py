@@ -4,7 +4,8 @@ A request's tokens are ``prompt_token_ids + output_token_ids``. The scheduler mo
 ``num_computed_tokens`` (tokens whose K/V are in the cache) towards ``num_tokens``;
 when a step computes the last known token, the model samples the next one. Preemption
 by recomputation simply resets ``num_computed_tokens`` to 0 and frees the blocks:
-the prompt and the outputs so far are recomputed as one long prompt.
+the prompt and the outputs so far are recomputed as one long prompt. Preemption by swapping
+moves the blocks to host pages (``host_block_ids``) and keeps ``num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -83,11 +84,21 @@ class Request:
     sample_index: int = 0
     """Which of the request's ``best_of`` samples this is (``forks`` holds samples 1..best_of-1)."""
     forks: list["Request"] = field(default_factory=list)
-    """The other samples of an ``n``/``best_of`` > 1 request: independent requests for now, each
-    recomputing the prompt; block sharing with copy-on-write will replace this."""
+    """The other samples of an ``n``/``best_of`` > 1 request (on the first sample only)."""
+    pending_forks: list["Request"] = field(default_factory=list)
+    """Samples the scheduler forks from this request in the step that computes its last prompt
+    token: they share its blocks and draw their first token from the same logits."""
+    reserved_seqs: int = 0
+    """Running slots (of ``max_num_seqs``) the scheduler keeps free for this request's future
+    forks while it runs: its pending samples, or a beam search's other beams."""
+    waiting_for_group: bool = False
+    """A beam whose next-token candidates are in, waiting for its other beams: it has nothing to
+    compute until the engine appends its token, even if preempted meanwhile."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     """Physical KV blocks, in logical order; filled by the KVCacheManager."""
+    host_block_ids: list[int] = field(default_factory=list)
+    """Host pages holding the KV of a request swapped out by preemption (device blocks then empty)."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_text_end: int | None = None

@@ -7,10 +7,19 @@ request. A long prompt is therefore split across steps (chunked prefill) and mix
 decodes in one step. ``num_computed_tokens`` advances at schedule time; the engine
 appends a sampled token to each request whose step reached its last known token.
 
-When the KV pool runs dry the newest running request is preempted by recomputation
-(blocks freed, ``num_computed_tokens`` reset to 0) and resumes before later arrivals.
-The oldest running request is never the victim, so it always progresses: no deadlock,
-no starvation.
+When the KV pool runs dry the newest running request is preempted and resumes before
+later arrivals: by recomputation (blocks freed, ``num_computed_tokens`` reset to 0), or with
+``preemption_mode="swap"`` by moving its blocks to a host page pool, to be copied back when
+there is room (recomputation if the host pool is full). The oldest running request is never
+the victim, so it always progresses: no deadlock, no starvation.
+
+Sequences share blocks: a request with ``pending_forks`` (the other samples of an ``n > 1``
+request) forks them in the step that computes its last prompt token; they join the running
+queue sharing its blocks, and the runner samples each one's first token from the parent's
+logits row (``SchedulerOutput.forks``). The engine forks beams with ``fork_request``. A
+request that shares a partly filled block copies it on its first write (``blocks_to_copy``).
+A running request can also be *idle*: all its tokens computed while the engine waits for the
+rest of its beam group; idle requests are preempted first when nothing else can run.
 """
 
 from __future__ import annotations
@@ -34,6 +43,13 @@ class SchedulerOutput:
     preempted: list[Request]
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) copy-on-write block pairs, copied on device before the step."""
+    forks: list[tuple[int, Request]] = field(default_factory=list)
+    """(row, child): each child samples its first token from row ``row``'s logits, after the
+    ``requests`` rows (the runner returns ``len(requests) + len(forks)`` samples)."""
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) pairs copied to host before this step (before any other copy)."""
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, device block) pairs copied to the device before this step."""
 
     @property
     def total_num_tokens(self) -> int:
@@ -59,6 +75,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}
+        self.swap = config.preemption_mode == "swap"
+        self.num_preemptions = 0
+        self.num_swapped_out = 0
+        """Preemptions that swapped (the rest recomputed)."""
 
     @property
     def num_running(self) -> int:
@@ -81,10 +101,35 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Track ``child``, a copy of ``parent``'s sequence plus tokens of its own (the engine's
+        beams). If the parent runs and a running slot is free the child shares its blocks and
+        runs; otherwise it waits to compute its sequence from scratch, ahead of new arrivals."""
+        if child.request_id in self._requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use.")
+        self._requests[child.request_id] = child
+        room = len(self.running) + self._num_reserved() < self.config.max_num_seqs
+        if parent.status is RequestStatus.RUNNING and self._requests.get(parent.request_id) is parent and room:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+
+    def _num_reserved(self) -> int:
+        return sum(r.reserved_seqs for r in self.running)
+
     def _check_admissible(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests:
+        ids = [rid, *(c.request_id for c in request.pending_forks)]
+        if len(set(ids)) != len(ids) or any(i in self._requests for i in ids):
             raise ValueError(f"request id {rid!r} is already in use; give each request a unique id.")
+        if 1 + request.reserved_seqs > self.config.max_num_seqs:
+            raise ValueError(f"request {rid!r} runs {1 + request.reserved_seqs} sequences at once (n, best_of "
+                             f"or beam width) but max_num_seqs is {self.config.max_num_seqs}; raise "
+                             f"max_num_seqs or ask for fewer sequences.")
         n_prompt = request.num_prompt_tokens
         if n_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token.")
@@ -140,6 +185,7 @@ class Scheduler:
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
+        forked: list[Request] = []
 
         # Running requests first, in admission order.
         i = 0
@@ -150,61 +196,118 @@ class Scheduler:
             if num_new <= 0:  # nothing known to compute until the engine appends a token
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out.preempted):
+            if not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
-            self._add_to_output(out, request, num_new)
+            self._add_to_output(out, request, num_new, forked)
             budget -= num_new
             i += 1
 
-        # Then waiting requests, FCFS, unless this step had to preempt.
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            kv.get_computed_blocks(request)
+        # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
+        # for the rest of its group has nothing to compute yet and is passed over.
+        reserved = self._num_reserved()
+        j = 0
+        had_to_preempt = bool(out.preempted)
+        while not had_to_preempt and j < len(self.waiting) and budget > 0:
+            request = self.waiting[j]
+            if request.waiting_for_group:
+                j += 1
+                continue
+            if len(self.running) + len(forked) + reserved + 1 + request.reserved_seqs > self.config.max_num_seqs:
+                break
+            swapped = bool(request.host_block_ids)
+            if not swapped:
+                kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - request.num_computed_tokens,
                           self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                j += 1
+                continue
             # Without chunked prefill a prompt runs whole; only a resumed request longer
             # than the entire budget (prompt + outputs) is split, the one way it can progress.
-            if ((not self.config.enable_chunked_prefill and budget < num_new <= self.config.max_num_batched_tokens)
-                    or not kv.allocate_slots(request, min(num_new, budget))):
-                self._release_prefix_hit(request)
+            fits = not (not self.config.enable_chunked_prefill
+                        and budget < num_new <= self.config.max_num_batched_tokens)
+            if fits and swapped:
+                pairs = kv.swap_in(request, min(num_new, budget))
+                fits = pairs is not None
+                if fits:
+                    out.blocks_to_swap_in.extend(pairs)
+            elif fits:
+                fits = kv.allocate_slots(request, min(num_new, budget))
+            if not fits:
+                if not swapped:
+                    self._release_prefix_hit(request)
+                # Nothing can run at all: idle running requests hold the blocks, so they make room.
+                if not out.requests and self._preempt_idle(out, behind=j):
+                    continue
                 break
             num_new = min(num_new, budget)
-            self.waiting.popleft()
+            del self.waiting[j]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_output(out, request, num_new)
+            self._add_to_output(out, request, num_new, forked)
+            reserved += request.reserved_seqs          # what is left after forking this step
             budget -= num_new
+        self.running.extend(forked)
+        out.blocks_to_copy = kv.take_blocks_to_copy()
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[Request]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate ``request``'s blocks, preempting the newest running requests until it
         fits; False if ``request`` itself had to go. Victims come from the end of
         ``running``, so none was already scheduled in this step."""
         while not self.kv_cache_manager.allocate_slots(request, num_new):
             victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
+            self._preempt(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _preempt_idle(self, out: SchedulerOutput, behind: int) -> bool:
+        """Preempt the newest idle running request (all its tokens computed, waiting for the
+        engine), queueing it right behind ``waiting[behind]``, the request it makes room for;
+        False if there is none."""
+        for k in range(len(self.running) - 1, -1, -1):
+            r = self.running[k]
+            if r.num_computed_tokens >= r.num_tokens and r.block_ids:
+                del self.running[k]
+                self._preempt(r, out, at=behind + 1)
+                return True
+        return False
 
     def _release_prefix_hit(self, request: Request) -> None:
         """Undo ``get_computed_blocks`` for a request that stays waiting this step."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, out: SchedulerOutput, at: int = 0) -> None:
+        pairs = self.kv_cache_manager.swap_out(request) if self.swap else None
+        if pairs is not None:
+            out.blocks_to_swap_out.extend(pairs)
+            self.num_swapped_out += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        self.waiting.insert(at, request)
+        out.preempted.append(request)
 
-    @staticmethod
-    def _add_to_output(out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
+                       forked: list[Request]) -> None:
+        row = len(out.requests)
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.start_positions.append(request.num_computed_tokens)
         request.num_computed_tokens += num_new
+        if request.pending_forks and request.num_computed_tokens == request.num_tokens:
+            # The prompt is computed: its other samples share its blocks from now on, and
+            # draw their first tokens from this row's logits.
+            for child in request.pending_forks:
+                self.kv_cache_manager.fork(request, child)
+                child.status = RequestStatus.RUNNING
+                self._requests[child.request_id] = child
+                out.forks.append((row, child))
+                forked.append(child)
+            request.reserved_seqs = max(0, request.reserved_seqs - len(request.pending_forks))
+            request.pending_forks = []
