@@ -1,10 +1,12 @@
 """jaxpaged: a PagedAttention LLM serving engine on JAX."""
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.config import EngineArgs
 from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name: str):

@@ -4,6 +4,13 @@ One ``step()`` = schedule (pure Python) -> run (one jitted program) -> update: a
 sampled tokens, check stops, detokenize incrementally, free finished requests' blocks.
 Every input is validated in ``add_request`` before anything is queued, so a bad request
 leaves the engine and the other requests untouched.
+
+Sharing: the ``best_of`` samples of a request are one sequence until its prompt is computed
+(once); the scheduler then forks the others, which share its blocks and draw their first
+tokens from the same logits with their own seeds. Beam search (``add_beam_search_request``)
+keeps a ``BeamSearchState`` per prompt: each step every live beam's top-2k logprobs come
+from the sampler, and once all beams of the prompt have theirs the engine selects the next
+beams, forking the sequences that continue more than once and freeing those that end.
 """
 
 from __future__ import annotations
@@ -11,14 +18,15 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig
-from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
 from jaxpaged.model_runner import ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
@@ -80,6 +88,23 @@ class _UnspacedSpecialsDetokenizer(IncrementalDetokenizer):
         return "".join(pieces)
 
 
+@dataclass
+class _BeamSearch:
+    """One beam search request: its HF-equivalent state and its live beams (sequences)."""
+
+    root: Request
+    params: BeamSearchParams
+    state: BeamSearchState
+    beams: list[Request]
+    cum: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    """Live beam id -> its best 2k next tokens and logprobs, once its step has run."""
+    num_forks: int = 0
+
+    def __post_init__(self) -> None:
+        self.cum.setdefault(self.root.request_id, 0.0)
+
+
 @dataclass(frozen=True)
 class CacheInfo:
     """How the KV-cache budget was turned into blocks (reported at start-up)."""
@@ -130,15 +155,21 @@ class LLMEngine:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens "
                              f"({sc.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}).")
         self.cache_info = CacheInfo(num_blocks, cc.block_size, bytes_per_block)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching)
+        num_host_blocks = cc.swap_space // bytes_per_block
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
+                                               num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=cc.block_size, dtype=dtype,
                                   max_num_batched_tokens=sc.max_num_batched_tokens,
-                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+                                  num_host_blocks=num_host_blocks)
         self._seed_rng = random.Random(mc.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, Request] = {}
         """Every live sample's request id -> the request it belongs to (the first sample)."""
+        self._beam_searches: dict[str, _BeamSearch] = {}
+        """Beam search request id -> its state; ``_beam_of`` maps each live beam's id to it."""
+        self._beam_of: dict[str, _BeamSearch] = {}
         self._token_text: dict[int, str] = {}
         self.load_time = time.perf_counter() - t0
         logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
@@ -200,16 +231,15 @@ class LLMEngine:
     def add_prepared_request(self, req: Request) -> None:
         """Queue a request made by ``make_request`` with all its samples, or none of them."""
         samples = [req, *req.forks]
-        if any(r.request_id in self._groups for r in samples):
+        if any(r.request_id in self._groups or r.request_id in self._beam_searches for r in samples):
             raise ValueError(f"request id {req.request_id!r} is already in use; give each request a unique id.")
-        added = []
+        # One sequence until the prompt is computed; the scheduler then forks the other samples.
+        req.pending_forks = list(req.forks)
+        req.reserved_seqs = len(req.forks)
         try:
-            for r in samples:
-                self.scheduler.add_request(r)
-                added.append(r)
+            self.scheduler.add_request(req)
         except ValueError:
-            for r in added:
-                self.scheduler.abort_request(r.request_id)
+            req.pending_forks, req.reserved_seqs = [], 0
             raise
         sp = req.sampling_params
         detokenizer = IncrementalDetokenizer if sp.spaces_between_special_tokens else _UnspacedSpecialsDetokenizer
@@ -219,13 +249,22 @@ class LLMEngine:
             self._groups[r.request_id] = req
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (all its samples)."""
+        """Abort a request (all its samples, or all its beams)."""
+        search = self._beam_searches.pop(request_id, None)
+        if search is not None:
+            for beam in search.beams:
+                self.scheduler.abort_request(beam.request_id)
+                self._beam_of.pop(beam.request_id, None)
+            search.beams = []
+            return
         parent = self._groups.get(request_id)
         if parent is None:
             self.scheduler.abort_request(request_id)
             return
         for r in [parent, *parent.forks]:
-            self.scheduler.abort_request(r.request_id)
+            if self.scheduler.abort_request(r.request_id) is None and not r.is_finished:
+                r.status = RequestStatus.FINISHED_ABORTED      # a sample not forked yet
+        parent.pending_forks = []
         self._forget(parent)
 
     def _forget(self, parent: Request) -> None:
@@ -237,20 +276,111 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def sharing_stats(self) -> SharingStats:
+        """Blocks used now vs. blocks the live sequences would hold without sharing
+        (``saved_fraction`` = (without - used) / without)."""
+        return self.kv_cache_manager.sharing_stats()
+
+    # ---- beam search ----------------------------------------------------------------------
+
+    def add_beam_search_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
+                                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Queue a beam search over one prompt; its one ``RequestOutput`` (when finished) holds
+        the ``beam_width`` best beams, best first, as ``outputs``."""
+        if request_id in self._groups or request_id in self._beam_searches:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id.")
+        k = params.beam_width
+        # Greedy rows asking for the top-N logprobs: the N >= 2k best continuations of each beam.
+        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * k)
+        root = self.make_request(request_id, prompt, sp, arrival_time, cache_salt)
+        root.reserved_seqs = k - 1
+        self.scheduler.add_request(root)
+        search = _BeamSearch(root, params, BeamSearchState(params, self.tokenizer.eos_token_id), [root])
+        self._beam_searches[request_id] = search
+        self._beam_of[request_id] = search
+        return root
+
+    def _beam_step(self, search: "_BeamSearch") -> RequestOutput | None:
+        """Select the next beams once every live beam has its candidates; the output when done."""
+        if any(b.request_id not in search.pending for b in search.beams):
+            return None
+        beams = search.beams
+        conts = search.state.step([(search.cum[b.request_id], b.output_token_ids, b.output_logprobs) for b in beams],
+                                  [search.pending[b.request_id] for b in beams])
+        search.pending.clear()
+        search.root.reserved_seqs = 0
+        for b in beams:
+            b.waiting_for_group = False
+        children: dict[int, list] = {}
+        for c in conts:
+            children.setdefault(c.beam, []).append(c)
+        # Beams that do not continue free their blocks first (making room), then the rest fork.
+        for i, b in enumerate(beams):
+            if i not in children:
+                self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+                self._beam_of.pop(b.request_id, None)
+        new_beams = []
+        for i, b in enumerate(beams):
+            for c in children.get(i, [])[1:]:
+                search.num_forks += 1
+                child = Request(request_id=f"beam{search.num_forks}_{search.root.request_id}",
+                                prompt_token_ids=b.prompt_token_ids, sampling_params=b.sampling_params,
+                                max_tokens=b.max_tokens, seed=b.seed, eos_token_id=b.eos_token_id,
+                                cache_salt=b.cache_salt, arrival_time=b.arrival_time,
+                                output_token_ids=b.output_token_ids + [c.token],
+                                output_logprobs=b.output_logprobs + [c.logprob], output_top_logprobs=[])
+                self.scheduler.fork_request(b, child)
+                self._beam_of[child.request_id] = search
+                search.cum[child.request_id] = c.cum_logprob
+                new_beams.append(child)
+            if i in children:
+                c = children[i][0]
+                b.output_token_ids.append(c.token)
+                b.output_logprobs.append(c.logprob)
+                search.cum[b.request_id] = c.cum_logprob
+                new_beams.append(b)
+        search.beams = new_beams
+        if not search.state.done:
+            return None
+        del self._beam_searches[search.root.request_id]
+        return self._beam_output(search)
+
+    def _beam_output(self, search: "_BeamSearch") -> RequestOutput:
+        root = search.root
+        outs = [CompletionOutput(index=rank, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                                 token_ids=list(h.token_ids), cumulative_logprob=h.cum_logprob,
+                                 logprobs=[{t: Logprob(l)} for t, l in zip(h.token_ids, h.logprobs)],
+                                 finish_reason="stop" if h.eos else "length")
+                for rank, h in enumerate(search.state.finished)]
+        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids, outs, finished=True,
+                             metrics={"arrival_time": root.arrival_time, "finished_time": time.time()})
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.apply_block_transfers(out)      # e.g. swap-outs of idle beams
             return []
         res = self.runner.execute(out)
         now = time.time()
         self._record_prompt_logprobs(out.requests, res)
         sampled = res.sampled
         touched: dict[str, Request] = {}
-        for i, req in enumerate(out.requests):
-            if out.start_positions[i] + out.num_new_tokens[i] < req.num_tokens:
-                continue                            # a prefill chunk that is not the prompt's last
+        searches: dict[str, _BeamSearch] = {}
+        R = len(out.requests)
+        # Rows that sample: requests whose step reached their last known token, then the forks.
+        rows = [(i, req) for i, req in enumerate(out.requests)
+                if out.start_positions[i] + out.num_new_tokens[i] >= req.num_tokens]
+        rows += [(R + j, child) for j, (_, child) in enumerate(out.forks)]
+        for i, req in rows:
+            search = self._beam_of.get(req.request_id)
+            if search is not None:
+                k2 = 2 * search.params.beam_width
+                search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(), sampled.top_logprobs[i, :k2].tolist())
+                req.waiting_for_group = True
+                searches[search.root.request_id] = search
+                continue
             if not req.output_token_ids:
                 req.first_token_time = now
             token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
@@ -273,6 +403,10 @@ class LLMEngine:
                 outputs.append(output)
             if output is not None and output.finished:
                 self._forget(parent)
+        for search in searches.values():
+            output = self._beam_step(search)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _record_prompt_logprobs(self, reqs: list[Request], res: StepOutput) -> None:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from jaxpaged.config import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine import LLMEngine
 from jaxpaged.request import RequestOutput
@@ -31,6 +32,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def sharing_stats(self):
+        """Blocks used vs. blocks without sharing, now (see ``LLMEngine.sharing_stats``)."""
+        return self.engine.sharing_stats()
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -39,10 +44,7 @@ class LLM:
         Every prompt is validated before any runs: one bad prompt raises ``ValueError``
         and nothing is generated.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -61,6 +63,38 @@ class LLM:
                 self.engine.abort_request(r.request_id)
             raise
         return self._run(reqs, use_tqdm)
+
+    @staticmethod
+    def _prompt_list(prompts) -> list[PromptInput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's ``LLM.beam_search``), with transformers' semantics for
+        ``length_penalty`` and ``early_stopping``: one ``BeamSearchOutput`` per prompt, in order, each
+        with ``beam_width`` sequences, best score first. Prompts are strings, token-id lists, or
+        dicts with ``prompt`` / ``prompt_token_ids``. The beams of a prompt share its KV blocks."""
+        prompts = self._prompt_list(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, p in zip(ids, prompts):
+                added.append(self.engine.add_beam_search_request(rid, p, params))
+        except ValueError:
+            for r in added:
+                self.engine.abort_request(r.request_id)
+            raise
+        results = []
+        for out in self._run(added, use_tqdm):
+            n = len(out.prompt_token_ids)
+            results.append(BeamSearchOutput([BeamSearchSequence(
+                tokens=out.prompt_token_ids + c.token_ids, logprobs=c.logprobs, cum_logprob=c.cumulative_logprob,
+                score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty), text=c.text,
+                finish_reason=c.finish_reason, num_prompt_tokens=n) for c in out.outputs]))
+        return results
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
