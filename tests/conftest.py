@@ -85,3 +85,9 @@ def sentencepiece_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pat
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     ).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_factory):
+    """The default tiny model (GQA, untied embeddings): ``(dir, HF model)``."""
+    return tiny_model_factory("gqa_untied")

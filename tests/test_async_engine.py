@@ -19,11 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def llm_engine(tiny) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
 

@@ -11,11 +11,6 @@ from tiny_models import hf_greedy
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny):
     return LLM(str(tiny[0]), max_model_len=64, block_size=8, num_gpu_blocks_override=7)
 

@@ -26,11 +26,6 @@ def signed(seed: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny):
     return LLM(str(tiny[0]), block_size=8, max_num_batched_tokens=32)
 

@@ -17,11 +17,6 @@ PROMPTS = random_prompts(np.random.default_rng(10), [3, 19, 41])
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def llm(tiny):
     return LLM(str(tiny[0]), max_num_batched_tokens=32, block_size=8)
 

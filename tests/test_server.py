@@ -51,11 +51,6 @@ def serve(app) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def engine(tiny):
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
     yield eng

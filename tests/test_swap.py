@@ -18,11 +18,6 @@ TIGHT = dict(block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=64
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_factory):
-    return tiny_model_factory("gqa_untied")
-
-
-@pytest.fixture(scope="module")
 def unpressured(tiny):
     """Reference outputs from an engine with room for everything."""
     llm = LLM(str(tiny[0]), block_size=4, max_num_batched_tokens=64)
