@@ -159,27 +159,39 @@ class OpenAIServing:
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
-    async def _completion_events(self, job: _Job, body: CompletionRequest) -> AsyncIterator[str]:
-        states: dict[int, _ChoiceState] = {}
-        created = int(time.time())
+    @staticmethod
+    async def _framed(events: AsyncIterator[str], usage_chunk: Callable[[], BaseModel] | None
+                      ) -> AsyncIterator[str]:
+        """Frame a stream's choice events: the usage chunk when asked for, an error event if the
+        engine died, and always the closing ``[DONE]``."""
         try:
-            async with aclosing(self._merged(job)) as outputs:
-                async for i, out in outputs:
-                    for j, c in enumerate(out.outputs):
-                        index = i * job.n + j
-                        text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()),
-                                                                body)
-                        if text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
-                            yield sse(CompletionResponse(
-                                id=job.request_id, created=created, model=job.model,
-                                choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
-            if body.include_usage_in_stream:
-                yield sse(CompletionResponse(id=job.request_id, created=created, model=job.model,
-                                             choices=[], usage=job.usage))
+            async with aclosing(events) as inner:
+                async for event in inner:
+                    yield event
+            if usage_chunk is not None:
+                yield sse(usage_chunk())
         except EngineDeadError as e:
             yield sse(ErrorResponse(error=APIError.from_engine(e).info))
         yield sse("[DONE]")
+
+    def _completion_events(self, job: _Job, body: CompletionRequest) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = (lambda: CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[],
+                                            usage=job.usage)) if body.include_usage_in_stream else None
+        return self._framed(self._completion_choices(job, body, created), usage)
+
+    async def _completion_choices(self, job: _Job, body: CompletionRequest, created: int) -> AsyncIterator[str]:
+        states: dict[int, _ChoiceState] = {}
+        async with aclosing(self._merged(job)) as outputs:
+            async for i, out in outputs:
+                for j, c in enumerate(out.outputs):
+                    index = i * job.n + j
+                    text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()), body)
+                    if text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
+                        yield sse(CompletionResponse(
+                            id=job.request_id, created=created, model=job.model,
+                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
 
     def _completion_piece(self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState,
                           body: CompletionRequest) -> tuple[str, CompletionLogprobs | None]:
@@ -236,30 +248,27 @@ class OpenAIServing:
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
-    async def _chat_events(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    def _chat_events(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
+        usage = (lambda: ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[],
+                                             usage=job.usage)) if body.include_usage_in_stream else None
+        return self._framed(self._chat_choices(job, body, created), usage)
 
+    async def _chat_choices(self, job: _Job, body: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
         def chunk(choice: ChatChunkChoice) -> str:
             return sse(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice]))
 
-        try:
-            for j in range(job.n):
-                yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
-            states = [_ChoiceState() for _ in range(job.n)]
-            async with aclosing(self._merged(job)) as outputs:
-                async for _, out in outputs:
-                    for j, c in enumerate(out.outputs):
-                        text, logprobs = self._chat_piece(c, states[j], body)
-                        if text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
-                            yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
-                                                        logprobs=logprobs, finish_reason=c.finish_reason,
-                                                        stop_reason=c.stop_reason))
-            if body.include_usage_in_stream:
-                yield sse(ChatCompletionChunk(id=job.request_id, created=created, model=job.model,
-                                              choices=[], usage=job.usage))
-        except EngineDeadError as e:
-            yield sse(ErrorResponse(error=APIError.from_engine(e).info))
-        yield sse("[DONE]")
+        for j in range(job.n):
+            yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
+        states = [_ChoiceState() for _ in range(job.n)]
+        async with aclosing(self._merged(job)) as outputs:
+            async for _, out in outputs:
+                for j, c in enumerate(out.outputs):
+                    text, logprobs = self._chat_piece(c, states[j], body)
+                    if text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
+                        yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
+                                                    logprobs=logprobs, finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
 
     @staticmethod
     def _chat_piece(c: CompletionOutput, state: _ChoiceState,
