@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas", "pallas_interpret")
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -42,7 +42,8 @@ class EngineArgs:
     swap_space: int = _arg(512 * 2**20, "Bytes of host memory for swapped-out KV blocks "
                            "(used with preemption_mode=swap).")
     attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
-                                  "auto = Pallas on GPU/TPU, XLA on CPU.")
+                                  "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
+                                  "(cpu) if it was built at install, else plain XLA ops (xla).")
     seed: int = _arg(0, "Seed for requests that do not give their own.")
     compilation_cache_dir: str | None = _arg(None, "Persistent JAX compilation cache directory.")
 

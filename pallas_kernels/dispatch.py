@@ -9,11 +9,20 @@ from pallas_kernels.xla_attention import xla_paged_attention
 
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
-    """``auto`` becomes ``pallas`` on GPU/TPU and ``xla`` on CPU; other names pass through."""
+    """``auto`` becomes ``pallas`` on GPU/TPU, and on CPU the native kernel (``cpu``) when it was
+    built, else ``xla``; other names pass through."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
-    return "xla" if platform == "cpu" else "pallas"
+    if platform != "cpu":
+        return "pallas"
+    from pallas_kernels.cpu_attention import native_kernel_available
+    return "cpu" if native_kernel_available() else "xla"
+
+
+def uses_prefill_tiles(backend: str) -> bool:
+    """Only the XLA backend needs the host-built prefill tiles of ``AttentionMetadata``."""
+    return backend == "xla"
 
 
 def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, backend: str,
@@ -23,6 +32,10 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetad
     if backend == "xla":
         return xla_paged_attention(q, kv_pages, layer, md, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "cpu":
+        from pallas_kernels.cpu_attention import cpu_paged_attention
+        return cpu_paged_attention(q, kv_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                                   soft_cap=soft_cap)
     if backend in ("pallas", "pallas_interpret"):
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_pages, layer, md, scale=scale, sliding_window=sliding_window,

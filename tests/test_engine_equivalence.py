@@ -113,10 +113,19 @@ def test_requests_arriving_mid_decode_match_hf(reference, prompts):
     assert_matches_hf([outs[f"r{i}"] for i in range(len(prompts))], ref)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("variant", ["gqa_untied", "mha_tied"])
-def test_pallas_interpret_backend_matches_xla_and_hf(variant, reference, prompts):
-    """The Pallas kernel (interpret mode on CPU) inside the whole engine: same greedy tokens as HF,
-    with chunked prefill mixing prompt chunks and decodes in one launch."""
+def test_other_attention_backends_match_hf(backend, variant, reference, prompts):
+    """The default CPU backend is the native kernel; the plain-XLA backend and the Pallas kernel
+    (interpret mode on CPU) inside the whole engine give the same greedy tokens as HF, with chunked
+    prefill mixing prompt chunks and decodes in one launch."""
     path, ref = reference(variant)
-    _, outs = generate(path, prompts, attention_backend="pallas_interpret", max_num_batched_tokens=32)
+    llm, outs = generate(path, prompts, attention_backend=backend, max_num_batched_tokens=32)
+    assert llm.engine.runner.model.module.attention_backend == backend
     assert_matches_hf(outs, ref)
+
+
+def test_auto_backend_on_cpu_is_the_native_kernel(reference, prompts):
+    path, _ = reference("gqa_untied")
+    llm = LLM(str(path))
+    assert llm.engine.runner.model.module.attention_backend == "cpu"

@@ -110,11 +110,22 @@ def attn_kwargs(case: Case) -> dict:
     return dict(scale=scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
 
 
-def check_against_reference(case: Case, *, variant: str = "interpret", interpret=True, **tiles) -> None:
+run_dispatch = jax.jit(paged_attention, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
+
+
+def check_against_reference(case: Case, *, variant: str = "interpret", interpret=True, backend: str | None = None,
+                            **tiles) -> None:
+    """The Pallas kernel (``variant``), or the dispatched ``backend`` when given, against the reference."""
     b = build_batch(case)
     kw = attn_kwargs(case)
     layer = jnp.int32(LAYER)
-    out = run_kernel(b.q, b.kv, layer, b.md, variant=variant, interpret=interpret, **kw, **tiles)
+
+    def kernel(kv):
+        if backend is not None:
+            return run_dispatch(b.q, kv, layer, b.md, backend=backend, **kw)
+        return run_kernel(b.q, kv, layer, b.md, variant=variant, interpret=interpret, **kw, **tiles)
+
+    out = kernel(b.kv)
     ref = run_reference(b.q, b.kv, layer, b.md, **kw)
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     tol = dict(atol=1e-5, rtol=1e-5) if case.dtype == "float32" else dict(atol=2e-2, rtol=1e-2)
@@ -123,7 +134,7 @@ def check_against_reference(case: Case, *, variant: str = "interpret", interpret
     n_live = int(b.md.query_start_loc[-1])
     np.testing.assert_array_equal(np.asarray(out[n_live:], np.float32), 0.0)
     # Nothing outside a row's live context is read: NaN there changes nothing.
-    dirty = run_kernel(b.q, b.kv_poisoned, layer, b.md, variant=variant, interpret=interpret, **kw, **tiles)
+    dirty = kernel(b.kv_poisoned)
     assert np.all(np.isfinite(np.asarray(dirty, np.float32)))
     np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(out, np.float32))
 
@@ -155,6 +166,12 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpret_matches_reference(name: str) -> None:
     check_against_reference(CASES[name])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_native_cpu_kernel_matches_reference(name: str) -> None:
+    """The C++ kernel behind ``backend="cpu"`` (XLA FFI), built by pip install."""
+    check_against_reference(CASES[name], backend="cpu")
 
 
 @pytest.mark.parametrize("tiles", [dict(q_tile=8, pages_per_step=1, kv_heads_per_program=2),
@@ -210,9 +227,8 @@ def test_dispatch_pallas_interpret_matches_xla() -> None:
     case = CASES["bf16-mixed-bs16-d128-gqa4"]
     b = build_batch(case)
     kw = attn_kwargs(case)
-    run = jax.jit(paged_attention, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
-    pallas = run(b.q, b.kv, jnp.int32(LAYER), b.md, backend="pallas_interpret", **kw)
-    xla = run(b.q, b.kv, jnp.int32(LAYER), b.md, backend="xla", **kw)
+    pallas = run_dispatch(b.q, b.kv, jnp.int32(LAYER), b.md, backend="pallas_interpret", **kw)
+    xla = run_dispatch(b.q, b.kv, jnp.int32(LAYER), b.md, backend="xla", **kw)
     np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=1e-2)
 
 

@@ -1,0 +1,60 @@
+"""Paged attention on the CPU through a C++ kernel called by XLA's FFI (``csrc/paged_attention_cpu.cc``).
+
+XLA's CPU backend runs the gather-then-attend formulation of ``xla_attention`` at a few GFLOP/s
+(small batched dots, unvectorized reductions, a copy of every gathered page). The native kernel
+reads the pages in place, each row only up to its own length, and spreads (row, kv head, query
+tile) items over XLA's intra-op thread pool. It is built by ``pip install`` (an optional
+extension: without a compiler the install still succeeds and ``auto`` falls back to ``xla``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.metadata import AttentionMetadata
+
+_TARGET = "jaxpaged_paged_attention_cpu"
+_LIBRARY_STEM = "_paged_attention_cpu"
+
+
+def _library_path() -> pathlib.Path | None:
+    here = pathlib.Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{_LIBRARY_STEM}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+@functools.cache
+def native_kernel_available() -> bool:
+    """Load the compiled kernel and register it with XLA (once); False if it was not built."""
+    path = _library_path()
+    if path is None:
+        return False
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionCpu), platform="cpu")
+    return True
+
+
+def cpu_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
+                        scale: float, sliding_window: int | None = None,
+                        soft_cap: float | None = None) -> jax.Array:
+    """``q[T, Hq, D]`` attends to its row's pages of layer ``layer``; returns ``[T, Hq, D]`` in q's dtype."""
+    if not native_kernel_available():
+        raise RuntimeError("the native CPU attention kernel was not built (no C++ compiler at install time?); "
+                           "reinstall jaxpaged with g++ available, or use attention_backend='xla'")
+    dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, dtype))
+    out = call(q.astype(dtype), kv_pages.astype(dtype), jnp.asarray(layer, jnp.int32).reshape(()),
+               md.block_tables, md.seq_lens, md.query_start_loc,
+               scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+               soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)
