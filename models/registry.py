@@ -1,14 +1,21 @@
-"""Maps Hugging Face ``architectures`` names to our Flax model classes and builds them."""
+"""Maps Hugging Face ``architectures`` names to our Flax models and builds them.
+
+Every family runs on the one generic decoder (``models.decoder``); a family contributes an HF
+config reader and an HF weight mapper."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import numpy as np
 
-from models import llama
+from models import gpt2, llama, opt
+from models.decoder import PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, parallel_style
+
+__all__ = ["PARALLEL_STYLE", "BuiltModel", "Family", "ModelShape", "build_model", "column_sections",
+           "parallel_style", "supported_architectures"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +36,17 @@ class BuiltModel:
     shape: ModelShape
 
 
+class Family(NamedTuple):
+    config_from_hf: Callable[[Any], DecoderConfig]
+    params_from_hf: Callable[[DecoderConfig, Mapping[str, np.ndarray], Any], dict]
+
+
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (llama.LlamaArchConfig, llama.LlamaForCausalLM, llama.params_from_hf),
+    "LlamaForCausalLM": Family(llama.config_from_hf, llama.params_from_hf),
+    "MistralForCausalLM": Family(llama.mistral_config_from_hf, llama.params_from_hf),
+    "Qwen2ForCausalLM": Family(llama.qwen2_config_from_hf, llama.params_from_hf),
+    "OPTForCausalLM": Family(opt.config_from_hf, opt.params_from_hf),
+    "GPT2LMHeadModel": Family(gpt2.config_from_hf, gpt2.params_from_hf),
 }
 
 
@@ -38,16 +54,22 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
-                attention_backend: str) -> BuiltModel:
+def config_from_hf(hf_config: Any) -> tuple[str, DecoderConfig]:
+    """The first supported name in ``hf_config.architectures`` and its ``DecoderConfig``."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     found = [a for a in archs if a in _ARCHITECTURES]
     if not found:
         raise ValueError(f"unsupported model architecture {archs or '(none given)'}; "
                          f"supported: {supported_architectures()}")
-    config_cls, module_cls, convert = _ARCHITECTURES[found[0]]
-    cfg = config_cls.from_hf(hf_config)
-    params = convert(cfg, tensors, dtype)
-    shape = ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
-                       cfg.max_position_embeddings)
-    return BuiltModel(module_cls(cfg, dtype, attention_backend), params, shape)
+    return found[0], _ARCHITECTURES[found[0]].config_from_hf(hf_config)
+
+
+def model_shape(cfg: DecoderConfig) -> ModelShape:
+    return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings)
+
+
+def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
+                attention_backend: str) -> BuiltModel:
+    arch, cfg = config_from_hf(hf_config)
+    params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype)
+    return BuiltModel(DecoderForCausalLM(cfg, dtype, attention_backend), params, model_shape(cfg))

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -33,26 +34,38 @@ def save_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def save_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """Save a random tiny Llama (with its tokenizer) to ``path``; biases get non-zero values."""
+def save_tiny_model(path: Path, tokenizer_dir: Path, config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+    """Save a random tiny model of any causal-LM ``config`` (its ``architectures`` set), with its
+    tokenizer, to ``path``. Biases get non-zero values, embeddings and the LM head a wide spread
+    (sharper logits: fewer near-ties in greedy decoding), LayerNorm weights non-unit values."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    embeddings = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    layer_norms = {name for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            module = name.rpartition(".")[0]
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif module in embeddings or module == "lm_head":
+                p.normal_(0.0, 1.0)
+            elif module in layer_norms:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    for f in os.listdir(tokenizer_dir):
+        (path / f).write_bytes((tokenizer_dir / f).read_bytes())
+    return model
+
+
+def save_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> PreTrainedModel:
+    """Save a random tiny Llama (with its tokenizer) to ``path`` (see ``save_tiny_model``)."""
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     kw.update(overrides)
     cfg = LlamaConfig(**kw)
     cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif "embed" in name or "lm_head" in name:
-                p.normal_(0.0, 1.0)     # sharper logits: fewer near-ties in greedy decoding
-    model.save_pretrained(path)
-    for f in os.listdir(tokenizer_dir):
-        (path / f).write_bytes((tokenizer_dir / f).read_bytes())
-    return model
+    return save_tiny_model(path, tokenizer_dir, cfg, seed)
 
 
 @torch.no_grad()

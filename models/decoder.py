@@ -1,0 +1,382 @@
+"""One generic decoder-only transformer in Flax linen, shared by every model family.
+
+Llama, Mistral, Qwen2, OPT and GPT-2 differ only in choices a frozen ``DecoderConfig`` names
+(RMSNorm or LayerNorm, pre- or post-norm, gated-SiLU or plain MLP, rotary or learned positions,
+biases, tied head); each family's module (``llama.py``, ``opt.py``, ``gpt2.py``) only reads its
+HF config into one and maps its HF tensor names onto this param tree (``convert_hf``).
+
+The model sees a flat ragged batch of tokens and the global KV page array, never requests.
+Layers are stacked and scanned (``nn.scan``) so a step compiles once per shape, not once
+per layer; the page array ``[L, 2, num_blocks, block_size, Hkv, D]`` rides in the scan carry
+and each layer scatters its new K/V into it in place (``write_kv``), addressed by the layer
+index, then attends through ``paged_attention`` (every backend).
+
+Param tree (the same names mean the same thing in every family; tensor-parallel rules key on them):
+``embed_tokens.embedding [V, E]``, optional ``embed_positions.embedding`` (learned positions),
+``project_in`` / ``project_out`` (E != hidden), ``layers.{input_layernorm, post_attention_layernorm}``
+(``weight``, plus ``bias`` for LayerNorm), ``layers.qkv_proj`` (output columns [q heads | k heads |
+v heads]), ``layers.o_proj``, ``layers.gate_up_proj`` ([gate | up]) or ``layers.up_proj``,
+``layers.down_proj``, optional final ``norm``, and ``lm_head`` unless tied. Kernels are
+``[in, out]``; layer params have a leading layer axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import AttentionMetadata, paged_attention, write_kv
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "relu": nn.relu,
+    "gelu": functools.partial(nn.gelu, approximate=False),
+    "gelu_new": functools.partial(nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The hyper-parameters the forward pass needs (hashable: a static jit argument)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    norm: str = "rmsnorm"                 # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    pre_norm: bool = True                 # False: OPT's post-LN (norm after each residual add)
+    final_norm: bool = True               # a norm before the LM head
+    gated_mlp: bool = True                # act(gate) * up (Llama) or act(up) (OPT, GPT-2)
+    activation: str = "silu"              # a key of ACTIVATIONS
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    position: str = "rope"                # "rope" | "learned" (embedding of position + offset)
+    position_offset: int = 0              # OPT's learned positions start at index 2
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    sliding_window: int | None = None     # keys with position > q_pos - window (HF's semantics)
+    attn_scale: float | None = None       # None: head_dim ** -0.5
+    word_embed_dim: int | None = None     # OPT's word_embed_proj_dim; None: hidden_size
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"norm {self.norm!r} is not supported; supported: {NORMS}.")
+        if self.position not in POSITIONS:
+            raise ValueError(f"position embedding {self.position!r} is not supported; supported: {POSITIONS}.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}.")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}.")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.word_embed_dim or self.hidden_size
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """Inverse frequencies of rotary embeddings, with linear or Llama-3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > old_len / low, inv / factor,
+                       np.where(wavelen < old_len / high, inv, smoothed))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF's rotate-half convention: ``x[T, H, D]`` rotated by per-token angles ``[T, D/2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class Norm(nn.Module):
+    """RMSNorm (``weight``) or LayerNorm (``weight``, ``bias``), statistics in float32."""
+
+    kind: str
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        w = self.param("weight", nn.initializers.ones, (d,), self.dtype)
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = w * x32.astype(self.dtype)
+        if self.kind == "layernorm":
+            y = y + self.param("bias", nn.initializers.zeros, (d,), self.dtype)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    """One attention + MLP block; a scan step whose carry is ``(hidden, kv_pages, layer_index)``."""
+
+    cfg: DecoderConfig
+    dtype: Any
+    attention_backend: str
+
+    @nn.compact
+    def __call__(self, carry, rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata):
+        h, kv_pages, layer = carry
+        c = self.cfg
+        T = h.shape[0]
+        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
+        mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, name="post_attention_layernorm")
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        x = attn_norm(h) if c.pre_norm else h
+        qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x)
+        q = qkv[:, :q_size].reshape(T, c.num_heads, c.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(T, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
+        scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
+        attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend,
+                               scale=scale, sliding_window=c.sliding_window)
+        h = h + dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size))
+        if not c.pre_norm:
+            h = attn_norm(h)
+
+        x = mlp_norm(h) if c.pre_norm else h
+        act = ACTIVATIONS[c.activation]
+        if c.gated_mlp:
+            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x)
+            y = act(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
+        else:
+            y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x))
+        h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y)
+        if not c.pre_norm:
+            h = mlp_norm(h)
+        return (h, kv_pages, layer + 1), None
+
+
+class DecoderForCausalLM(nn.Module):
+    """``(input_ids[T], positions[T], kv_pages, md, logits_indices[R]) -> (logits[R, V] f32, kv_pages)``."""
+
+    cfg: DecoderConfig
+    dtype: Any = jnp.float32
+    attention_backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices):
+        c = self.cfg
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+        project = c.embed_dim != c.hidden_size
+        embed = nn.Embed(c.vocab_size, c.embed_dim, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        h = embed(input_ids)
+        if project:
+            h = dense(c.hidden_size, name="project_in")(h)
+        rope = None
+        if c.position == "rope":
+            angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+            rope = jnp.cos(angles), jnp.sin(angles)
+        else:
+            h = h + nn.Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, dtype=self.dtype,
+                             param_dtype=self.dtype, name="embed_positions")(positions + c.position_offset)
+        layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
+        (h, kv_pages, _), _ = layers(c, self.dtype, self.attention_backend, name="layers")(
+            (h, kv_pages, jnp.int32(0)), rope, md)
+        h = h[logits_indices]
+        if c.final_norm:
+            h = Norm(c.norm, c.norm_eps, self.dtype, name="norm")(h)
+        if project:
+            h = dense(c.embed_dim, name="project_out")(h)
+        logits = embed.attend(h) if c.tie_word_embeddings else dense(c.vocab_size, name="lm_head")(h)
+        return logits.astype(jnp.float32), kv_pages
+
+
+def init_params(cfg: DecoderConfig, dtype: Any) -> dict:
+    """Random parameters of the right shapes (used for shape checks and benchmarks)."""
+    model = DecoderForCausalLM(cfg, dtype)
+    T, R, W = 1, 1, 1
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros(T, jnp.int32), block_tables=jnp.zeros((R, W), jnp.int32),
+        seq_lens=jnp.ones(R, jnp.int32), query_start_loc=jnp.array([0, 1], jnp.int32),
+        tile_row=jnp.zeros(0, jnp.int32), tile_start=jnp.zeros(0, jnp.int32), tile_len=jnp.zeros(0, jnp.int32))
+    kv = jnp.zeros((cfg.num_layers, 2, 2, 1, cfg.num_kv_heads, cfg.head_dim), dtype)
+    return model.init(jax.random.key(0), jnp.zeros(T, jnp.int32), jnp.zeros(T, jnp.int32), kv, md,
+                      jnp.zeros(R, jnp.int32))["params"]
+
+
+# ---------------------------------------------------------------- HF checkpoint -> param tree
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our params comes from: HF tensors concatenated along their output (last) axis
+    after an optional transpose (torch ``nn.Linear`` is ``[out, in]``; our kernels and GPT-2's
+    ``Conv1D`` are ``[in, out]``). Under ``layers`` the names hold ``{}`` for the layer index."""
+
+    names: tuple[str, ...]
+    transpose: bool = False
+
+
+def linear(hf_names: str | list[str], *, bias: bool, transpose: bool = True) -> dict[str, Source]:
+    """A dense layer's ``kernel`` (and ``bias``) from HF modules ``name.weight`` / ``name.bias``,
+    several names fused along the output axis in the given order."""
+    names = [hf_names] if isinstance(hf_names, str) else list(hf_names)
+    out = {"kernel": Source(tuple(f"{n}.weight" for n in names), transpose)}
+    if bias:
+        out["bias"] = Source(tuple(f"{n}.bias" for n in names))
+    return out
+
+
+def norm(hf_name: str, cfg: DecoderConfig) -> dict[str, Source]:
+    """A norm's ``weight`` (and LayerNorm's ``bias``) from HF module ``hf_name``."""
+    out = {"weight": Source((f"{hf_name}.weight",))}
+    if cfg.norm == "layernorm":
+        out["bias"] = Source((f"{hf_name}.bias",))
+    return out
+
+
+def hf_layout(cfg: DecoderConfig, *, embed: str, layer: str, attn_norm: str, mlp_norm: str,
+              qkv: str | list[str], o: str, up: str | list[str], down: str, final_norm: str | None = None,
+              positions: str | None = None, project: tuple[str, str] | None = None,
+              transpose: bool = True) -> dict:
+    """The ``convert_hf`` layout of a family from its HF module names: ``layer`` is the prefix of
+    layer ``{}``, to which the per-layer names are relative; ``qkv`` (and ``up`` for a gated MLP:
+    [gate, up]) list the modules fused into one kernel. ``transpose`` False for ``Conv1D`` weights.
+    The LM head (when not tied) is always the ``nn.Linear`` named ``lm_head``."""
+    def dense(names: str | list[str], bias: bool) -> dict[str, Source]:
+        names = [names] if isinstance(names, str) else names
+        return linear([layer + n for n in names], bias=bias, transpose=transpose)
+
+    layout = {
+        "embed_tokens": {"embedding": Source((f"{embed}.weight",))},
+        "layers": {
+            "input_layernorm": norm(layer + attn_norm, cfg),
+            "post_attention_layernorm": norm(layer + mlp_norm, cfg),
+            "qkv_proj": dense(qkv, cfg.qkv_bias),
+            "o_proj": dense(o, cfg.o_bias),
+            "gate_up_proj" if cfg.gated_mlp else "up_proj": dense(up, cfg.mlp_bias),
+            "down_proj": dense(down, cfg.mlp_bias),
+        },
+    }
+    if positions is not None:
+        layout["embed_positions"] = {"embedding": Source((f"{positions}.weight",))}
+    if cfg.final_norm:
+        layout["norm"] = norm(final_norm, cfg)
+    if cfg.embed_dim != cfg.hidden_size:
+        layout["project_in"] = linear(project[0], bias=False)
+        layout["project_out"] = linear(project[1], bias=False)
+    if not cfg.tie_word_embeddings:
+        layout["lm_head"] = linear("lm_head", bias=False)
+    return layout
+
+
+def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any, layout: dict) -> dict:
+    """Build the param tree from HF tensors following ``layout`` (our nested param names ->
+    ``Source``; everything under ``layers`` is stacked over layers), checking that every tensor is
+    there and every shape matches the config."""
+    missing: list[str] = []
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            missing.append(name)
+            return np.zeros(0, np.float32)
+        return np.asarray(tensors[name], np.float32)
+
+    def load(src: Source, layer: int | None) -> np.ndarray:
+        arrs = [get(n if layer is None else n.format(layer)) for n in src.names]
+        if missing:
+            return np.zeros(0, np.float32)
+        return np.concatenate([a.T if src.transpose else a for a in arrs], axis=-1)
+
+    def build(node, stacked: bool):
+        if isinstance(node, Source):
+            if not stacked:
+                return load(node, None)
+            arrs = [load(node, i) for i in range(cfg.num_layers)]
+            return np.zeros(0, np.float32) if missing else np.stack(arrs)
+        return {k: build(v, stacked or k == "layers") for k, v in node.items()}
+
+    params = build(layout, False)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    expected = jax.eval_shape(lambda: init_params(cfg, dtype))
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
+        raise ValueError(f"internal error: the weight mapping builds params {jax.tree_util.tree_structure(params)}"
+                         f", the model has {jax.tree_util.tree_structure(expected)}")
+    bad = [f"{jax.tree_util.keystr(k)}: checkpoint {a.shape}, model {e.shape}"
+           for (k, a), e in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(expected))
+           if a.shape != e.shape]
+    if bad:
+        raise ValueError(f"checkpoint shapes do not match the config: {bad[:3]}")
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def hf_prefix(tensors: Mapping[str, np.ndarray], probe: str, prefixes: tuple[str, ...]) -> str:
+    """The first of ``prefixes`` under which the checkpoint holds ``probe`` (checkpoints saved from a
+    base model lack the causal-LM wrapper's prefix); the first prefix if none does."""
+    return next((p for p in prefixes if p + probe in tensors), prefixes[0])
+
+
+# ---------------------------------------------------------------- tensor parallelism (rules only)
+
+PARALLEL_STYLE = {
+    "embed_tokens": "vocab",        # split the vocabulary rows
+    "lm_head": "column",            # split the vocabulary (output) columns
+    "qkv_proj": "column",           # fused: split each of the q, k, v sections by heads (column_sections)
+    "gate_up_proj": "column",       # fused: split each of the gate, up sections (column_sections)
+    "up_proj": "column",
+    "o_proj": "row",                # split the input rows; its bias is added once, after the all-reduce
+    "down_proj": "row",
+}
+"""Tensor-parallel style of each module by name; any other module (norms, ``embed_positions``,
+``project_in``/``project_out``) is replicated. A column module's bias splits like its output."""
+
+
+def parallel_style(path: tuple[str, ...]) -> str:
+    """``"column"``, ``"row"``, ``"vocab"`` or ``"replicated"`` for a param path such as
+    ``("layers", "qkv_proj", "kernel")``."""
+    return next((PARALLEL_STYLE[p] for p in path if p in PARALLEL_STYLE), "replicated")
+
+
+def column_sections(cfg: DecoderConfig, module: str) -> tuple[int, ...]:
+    """Widths of the fused sections of a column-parallel module's output axis, each to be split
+    evenly across devices (``(q, k, v)`` for ``qkv_proj``, ``(gate, up)`` for ``gate_up_proj``)."""
+    if module == "qkv_proj":
+        return (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    if module == "gate_up_proj":
+        return (cfg.intermediate_size, cfg.intermediate_size)
+    if module == "up_proj":
+        return (cfg.intermediate_size,)
+    if module == "lm_head":
+        return (cfg.vocab_size,)
+    raise ValueError(f"{module!r} is not a column-parallel module; those are "
+                     f"{[m for m, s in PARALLEL_STYLE.items() if s == 'column']}")

@@ -1,0 +1,206 @@
+"""OPT, GPT-2, Mistral and Qwen2 through the whole engine match Hugging Face transformers: greedy
+tokens identical and logprobs within 1e-3 under chunked prefill, preemption and prefix caching;
+plus the config readers' and weight mappers' checks."""
+
+from __future__ import annotations
+
+import functools
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.weights import load_checkpoint
+from models import registry
+from models.decoder import column_sections, init_params, parallel_style
+from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
+from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
+
+COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128)
+OPT_SIZES = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+WINDOW = 8      # shorter than most prompts: keys older than the window must drop out
+
+FAMILIES = {
+    "opt_pre_ln": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, do_layer_norm_before=True)),
+    "opt_post_ln": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, do_layer_norm_before=False)),
+    "opt_project": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, word_embed_proj_dim=32)),
+    "gpt2": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+    "gpt2_unscaled_untied": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                                                  n_inner=96, scale_attn_weights=False,
+                                                                  tie_word_embeddings=False)),
+    "mistral_window": (MistralConfig, "MistralForCausalLM", dict(LLAMA_SIZES, sliding_window=WINDOW)),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", LLAMA_SIZES),
+}
+
+
+def hf_config(name: str, **overrides) -> transformers.PretrainedConfig:
+    config_cls, arch, kw = FAMILIES[name]
+    config = config_cls(**COMMON, **{**kw, **overrides})
+    config.architectures = [arch]
+    return config
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(np.random.default_rng(0), PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, tiny_tokenizer_dir):
+    """``family(name) -> (dir, HF model)``, each saved once."""
+    @functools.cache
+    def get(name):
+        path = tmp_path_factory.mktemp(f"family-{name}")
+        return path, save_tiny_model(path, tiny_tokenizer_dir, hf_config(name))
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(family, prompts):
+    """``reference(name) -> HF greedy (tokens, logprobs, margins) per prompt``, computed once."""
+    return functools.cache(lambda name: [hf_greedy(family(name)[1], p, MAX_TOKENS) for p in prompts])
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "gpt2_unscaled_untied"])
+def test_family_matches_hf_with_chunked_prefill_and_preemption(name, family, reference, prompts):
+    """Mixed-length prompts, chunks of at most 16 tokens, and a pool of 16 blocks of 4 tokens
+    that cannot hold all six sequences (up to 52 tokens each)."""
+    llm, outs = generate(family(name)[0], prompts, block_size=4, max_num_batched_tokens=16,
+                         num_gpu_blocks_override=17)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert_matches_hf(outs, reference(name))
+
+
+def test_sliding_window_changes_hf_outputs(family, reference, prompts):
+    """The window really matters for these prompts (so the test above checks its semantics)."""
+    _, hf = family("mistral_window")
+    ref = reference("mistral_window")
+    hf.config.sliding_window = None
+    try:
+        full = [hf_greedy(hf, p, MAX_TOKENS)[0] for p in prompts]
+    finally:
+        hf.config.sliding_window = WINDOW
+    assert any(f != r[0] for f, r in zip(full, ref))
+
+
+def test_prefix_cache_hits_match_hf(family):
+    """The second prompt shares 16 tokens (4 blocks, twice the window) with the first, and runs after it."""
+    path, hf = family("mistral_window")
+    shared, a, b = random_prompts(np.random.default_rng(1), [16, 7, 11])
+    two = [shared + a, shared + b]
+    llm, outs = generate(path, two, block_size=4, max_num_seqs=1, max_num_batched_tokens=32)
+    assert llm.engine.kv_cache_manager.stats.hits >= 12
+    assert_matches_hf(outs, [hf_greedy(hf, p, MAX_TOKENS) for p in two])
+
+
+def test_pallas_interpret_backend_sliding_window_matches_hf(family, reference, prompts):
+    """The Pallas kernel (interpret mode) on three prompts longer than the window, chunked."""
+    _, outs = generate(family("mistral_window")[0], prompts[2:5], attention_backend="pallas_interpret",
+                       max_num_batched_tokens=32)
+    assert_matches_hf(outs, reference("mistral_window")[2:5])
+
+
+@torch.no_grad()
+def test_seeded_sampling_logprobs_match_hf(family, prompts):
+    """GPT-2 without attention scaling and with its own LM head: sampled tokens (seeded,
+    temperature 1) are the same in another batch order and score the same under HF's model."""
+    path, hf = family("gpt2_unscaled_untied")
+    llm = LLM(str(path), block_size=8, max_num_batched_tokens=32)
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, seed=7)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    again = llm.generate(prompts[::-1], sp, use_tqdm=False)[::-1]
+    for prompt, out, out2 in zip(prompts, outs, again):
+        tokens = out.outputs[0].token_ids
+        assert tokens == out2.outputs[0].token_ids
+        ours = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
+        theirs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(ours, theirs, atol=1e-3)
+
+
+# ---------------------------------------------------------------- config readers and weight mappers
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    config = hf_config("gpt2")
+    config.architectures = ["FancyNewForCausalLM"]
+    with pytest.raises(ValueError, match="supported: .*GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM"
+                                         ".*OPTForCausalLM.*Qwen2ForCausalLM"):
+        registry.build_model(config, {}, np.float32, "xla")
+
+
+@pytest.mark.parametrize("option", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"])
+def test_gpt2_rejects_unsupported_options(option):
+    with pytest.raises(ValueError, match=option):
+        registry.config_from_hf(hf_config("gpt2", **{option: True}))
+
+
+@pytest.mark.parametrize("overrides, window", [
+    (dict(use_sliding_window=False, sliding_window=WINDOW), None),
+    (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0), WINDOW),  # every layer slides
+    (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), None),   # no layer slides
+])
+def test_qwen2_sliding_window_per_layer_types(overrides, window):
+    _, cfg = registry.config_from_hf(hf_config("qwen2", **overrides))
+    assert cfg.sliding_window == window and cfg.qkv_bias and not cfg.o_bias
+
+
+def test_qwen2_mixed_window_layers_are_rejected():
+    config = hf_config("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    with pytest.raises(ValueError, match="mix sliding-window and full attention"):
+        registry.config_from_hf(config)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("opt_project", registry.ModelShape(2, 4, 16, VOCAB, 128)),
+    ("gpt2", registry.ModelShape(2, 4, 16, VOCAB, 128)),
+    ("mistral_window", registry.ModelShape(2, 2, 16, VOCAB, 128)),
+])
+def test_model_shape(name, shape):
+    assert registry.model_shape(registry.config_from_hf(hf_config(name))[1]) == shape
+
+
+@pytest.mark.parametrize("name, prefix", [("gpt2", "transformer."), ("opt_project", "model.")])
+def test_checkpoints_without_the_wrapper_prefix_load_the_same(name, prefix, family):
+    ckpt = load_checkpoint(str(family(name)[0]))
+    assert any(k.startswith(prefix) for k in ckpt.tensors)
+    bare = {k.removeprefix(prefix): v for k, v in ckpt.tensors.items()}
+    full = registry.build_model(ckpt.config, ckpt.tensors, np.float32, "xla").params
+    stripped = registry.build_model(ckpt.config, bare, np.float32, "xla").params
+    assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(stripped)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(full),
+                                                      jax.tree_util.tree_leaves(stripped)))
+
+
+def test_missing_and_misshapen_tensors_are_named(family):
+    ckpt = load_checkpoint(str(family("opt_pre_ln")[0]))
+    name = "model.decoder.layers.1.fc2.bias"
+    lacking = {k: v for k, v in ckpt.tensors.items() if k != name}
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers\.1\.fc2\.bias"):
+        registry.build_model(ckpt.config, lacking, np.float32, "xla")
+    wrong = dict(ckpt.tensors, **{"model.decoder.embed_positions.weight": np.zeros((100, 64), np.float32)})
+    with pytest.raises(ValueError, match=r"do not match.*embed_positions.*\(100, 64\)"):
+        registry.build_model(ckpt.config, wrong, np.float32, "xla")
+
+
+@pytest.mark.parametrize("name", ["opt_project", "gpt2", "mistral_window"])
+def test_tensor_parallel_rules_cover_the_param_tree(name):
+    """Every param has a style; column modules' fused sections add up to their output width."""
+    _, cfg = registry.config_from_hf(hf_config(name))
+    params = jax.eval_shape(lambda: init_params(cfg, np.float32))
+    styles = {}
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
+        path = tuple(k.key for k in keys)
+        styles[path] = parallel_style(path)
+        if styles[path] == "column" and path[-1] == "kernel":
+            assert sum(column_sections(cfg, path[-2])) == leaf.shape[-1], path
+    assert styles[("embed_tokens", "embedding")] == "vocab"
+    assert styles[("layers", "qkv_proj", "kernel")] == "column"
+    assert styles[("layers", "o_proj", "kernel")] == "row"
+    assert styles[("layers", "down_proj", "kernel")] == "row"
+    assert styles[("layers", "input_layernorm", "weight")] == "replicated"
+
