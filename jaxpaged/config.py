@@ -6,12 +6,14 @@ Nothing else in the package reads environment variables or re-validates these va
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas", "pallas_interpret")
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged", "xla")
 
 
 def _arg(default, help: str):
@@ -45,7 +47,10 @@ class EngineArgs:
                                   "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
                                   "(cpu) if it was built at install, else plain XLA ops (xla).")
     seed: int = _arg(0, "Seed for requests that do not give their own.")
-    compilation_cache_dir: str | None = _arg(None, "Persistent JAX compilation cache directory.")
+    compilation_cache_dir: str | None = _arg(DEFAULT_COMPILATION_CACHE, "Persistent JAX compilation cache "
+                                             "directory (compiled step programs survive restarts); '' disables it.")
+    precompile: bool = _arg(True, "Compile every step program of the bucket set at start-up (seconds with a warm "
+                            "compilation cache), so no request waits for a compile.")
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -88,6 +93,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     attention_backend: str
     compilation_cache_dir: str | None
+    precompile: bool
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -120,4 +126,5 @@ class EngineConfig:
                                       a.preemption_mode),
             attention_backend=a.attention_backend,
             compilation_cache_dir=a.compilation_cache_dir,
+            precompile=a.precompile,
         )

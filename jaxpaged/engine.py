@@ -172,6 +172,11 @@ class LLMEngine:
         self._beam_of: dict[str, _BeamSearch] = {}
         self._token_text: dict[int, str] = {}
         self.load_time = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        num_precompiled = self.runner.precompile() if config.precompile else 0
+        self.warmup_time = time.perf_counter() - t0
+        if num_precompiled:
+            logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
         logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
                     mc.model, self.load_time, self.cache_info.num_usable_blocks, cc.block_size,
                     self.cache_info.num_tokens, num_blocks * bytes_per_block / 2**20)

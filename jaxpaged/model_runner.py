@@ -22,18 +22,20 @@ from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, promp
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from models.registry import BuiltModel
-from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks
+from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
 from pallas_kernels.metadata import num_prefill_tiles
 
 logger = logging.getLogger(__name__)
 
 PREFILL_TILE = 64
 # Bucket floors: padding a small batch up to these costs little and saves compiled programs.
-MIN_TOKENS, MIN_ROWS, MIN_CONTEXT, MIN_TILES = 16, 8, 256, 4
+MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
 _SEED_MASK = (1 << 64) - 1
+# Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
+PRECOMPILED_SAMPLERS = (SamplerFlags(all_greedy=True), SamplerFlags(all_greedy=False))
 
 
 def _bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -157,6 +159,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.gathers_pages = gathers_pages(model.module.attention_backend)
+        self.max_rows = _bucket(max_num_seqs, 1 << 30)
         s = model.shape
         self.kv_pages = jnp.zeros((s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype)
         # Host page pool for swapped-out blocks (preemption_mode="swap"); zeros are allocated lazily.
@@ -168,17 +172,37 @@ class ModelRunner:
     def num_compiled_programs(self) -> int:
         return len(self.program_keys)
 
+    def token_bucket(self, num_tokens: int) -> int:
+        """Padded token count of a step: a power of two from ``MIN_TOKENS`` to the step budget."""
+        return _bucket(num_tokens, self.max_num_batched_tokens, floor=MIN_TOKENS)
+
+    def row_bucket(self, token_bucket: int) -> int:
+        """Padded row count, a function of the token bucket (a step has at most one row per token),
+        so the forward program is selected by the token bucket alone: a decode step of ``n`` rows
+        and a prefill chunk of ``n`` tokens share it."""
+        return min(token_bucket, self.max_rows)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        """Every token bucket a step can use."""
+        out, b = [], self.token_bucket(1)
+        while True:
+            out.append(b)
+            if b >= self.max_num_batched_tokens:
+                return out
+            b = self.token_bucket(b + 1)
+
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         reqs = out.requests
         R = len(reqs)
         n = np.asarray(out.num_new_tokens, np.int32)
         starts = np.asarray(out.start_positions, np.int32)
         T = int(n.sum())
-        T_b = _bucket(T, self.max_num_batched_tokens, floor=MIN_TOKENS)
-        R_b = _bucket(R, self.max_num_seqs, floor=MIN_ROWS)
+        T_b = self.token_bucket(T)
+        R_b = self.row_bucket(T_b)
         seq_lens = starts + n
-        W_b = _bucket(-(-int(seq_lens.max()) // self.block_size), self.max_blocks_per_seq,
-                      floor=MIN_CONTEXT // self.block_size)
+        W_b = (_bucket(-(-int(seq_lens.max()) // self.block_size), self.max_blocks_per_seq,
+                       floor=MIN_CONTEXT // self.block_size) if self.gathers_pages else self.max_blocks_per_seq)
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
@@ -199,10 +223,13 @@ class ModelRunner:
         slot_mapping[:T] = block_tables[row_of_tok, pos // self.block_size] * self.block_size + pos % self.block_size
         seq_lens_b = np.zeros(R_b, np.int32)
         seq_lens_b[:R] = seq_lens
-        tile = min(PREFILL_TILE, T_b)
-        n_tiles = num_prefill_tiles(qsl, tile)
-        P_b = 0 if n_tiles == 0 else _bucket(n_tiles, 1 << 30, floor=MIN_TILES)
-        tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
+        if self.gathers_pages:
+            tile = min(PREFILL_TILE, T_b)
+            n_tiles = num_prefill_tiles(qsl, tile)
+            P_b = 0 if n_tiles == 0 else _bucket(n_tiles, 1 << 30, floor=MIN_TILES)
+            tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
+        else:
+            tile, (tile_row, tile_start, tile_len) = 1, (np.zeros(0, np.int32),) * 3
         md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
                                tile_len=tile_len, tile_size=tile)
@@ -212,7 +239,7 @@ class ModelRunner:
         # Sampled rows: one per request, then one per fork (sampled from its parent row's logits).
         fork_rows = np.asarray([row for row, _ in out.forks], np.int32)
         S = R + len(fork_rows)
-        S_b = R_b if not len(fork_rows) else max(R_b, _bucket(S, self.max_num_seqs, floor=MIN_ROWS))
+        S_b = R_b if not len(fork_rows) else max(R_b, self.row_bucket(self.token_bucket(S)))
         logits_indices = np.zeros(S_b + NP_b, np.int32)
         logits_indices[:R] = qsl[1:R + 1] - 1
         logits_indices[R:S] = logits_indices[fork_rows]
@@ -314,6 +341,15 @@ class ModelRunner:
         reuse, then copy-on-write copies, then swap-ins."""
         self.apply_block_transfers(out)
         b = self.prepare(out)
+        sampled, prompt = self._run(b)
+        R, P = b.num_rows, len(b.prompt_rows)
+        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
+        if prompt is not None:
+            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
+        return StepOutput(sampled, prompt, b.prompt_rows)
+
+    def _run(self, b: StepBatch) -> tuple[SamplerOutput, SamplerOutput | None]:
+        """The device part of a step: inputs over, forward (KV donated), sampler, results back."""
         for key in b.program_keys:
             if key not in self.program_keys:
                 self.program_keys.add(key)
@@ -321,12 +357,32 @@ class ModelRunner:
         inputs, sampling, targets = jax.device_put(
             ((b.input_ids, b.positions, b.md, b.logits_indices), b.sampling, b.prompt_targets))
         self.kv_pages, logits = step_fn(self.model.module, self.model.params, self.kv_pages, *inputs)
-        sampled, prompt = jax.device_get(sample_fn(logits, sampling, targets, flags=b.flags))
-        R, P = b.num_rows, len(b.prompt_rows)
-        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
-        if prompt is not None:
-            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
-        return StepOutput(sampled, prompt, b.prompt_rows)
+        return jax.device_get(sample_fn(logits, sampling, targets, flags=b.flags))
+
+    def precompile(self, sampler_flags: tuple[SamplerFlags, ...] = PRECOMPILED_SAMPLERS) -> int:
+        """Compile the forward program of every token bucket and the sampler of every row bucket for
+        each of ``sampler_flags``, by running them on all-padding inputs (no KV slot is written), so
+        that serving never waits for a compile of these shapes. Returns how many programs that was.
+
+        Only for backends that take full-width block tables: the XLA backend's programs also vary
+        with the context and prefill-tile buckets, too many to compile ahead."""
+        if self.gathers_pages:
+            logger.info("precompile skipped: the %s attention backend's shapes depend on context length",
+                        self.model.module.attention_backend)
+            return 0
+        before = self.num_compiled_programs
+        empty = np.zeros(0, np.int32)
+        for T_b in self.token_buckets:
+            R_b = self.row_bucket(T_b)
+            md = AttentionMetadata(slot_mapping=np.full(T_b, PAD_SLOT, np.int32),
+                                   block_tables=np.zeros((R_b, self.max_blocks_per_seq), np.int32),
+                                   seq_lens=np.zeros(R_b, np.int32), query_start_loc=np.zeros(R_b + 1, np.int32),
+                                   tile_row=empty, tile_start=empty, tile_len=empty, tile_size=1)
+            sampling, _ = self._sampling_arrays([], empty, R_b, empty)
+            for flags in sampler_flags:
+                self._run(StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
+                                    sampling, empty, empty, 0, flags))
+        return self.num_compiled_programs - before
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         P = _bucket(len(pairs), 1 << 30)

@@ -20,8 +20,10 @@ def resolve_backend(name: str, platform: str | None = None) -> str:
     return "cpu" if native_kernel_available() else "xla"
 
 
-def uses_prefill_tiles(backend: str) -> bool:
-    """Only the XLA backend needs the host-built prefill tiles of ``AttentionMetadata``."""
+def gathers_pages(backend: str) -> bool:
+    """The XLA backend gathers whole block-table rows (its cost grows with the table's width) and
+    attends prefill chunks in host-built tiles; the kernels read pages in place, each row only up
+    to its own length, so their callers can pass full-width tables and no tiles."""
     return backend == "xla"
 
 

@@ -1,0 +1,81 @@
+"""Start-up precompilation: every step program of the bucket set is compiled before the first
+request, so a served workload of varied lengths (greedy and sampled) compiles nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import jax
+import numpy as np
+
+from jax._src import monitoring  # public registration, private removal (no public API for it)
+
+from jaxpaged import EngineArgs, LLMEngine, SamplingParams
+from jaxpaged.async_engine import AsyncLLMEngine
+from tiny_models import random_prompts
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+ENGINE_ARGS = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=8, compilation_cache_dir="")
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations (jit cache misses) inside the block."""
+    seen = []
+
+    def listener(event: str, duration: float, **kw) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def test_precompile_covers_the_bucket_set(tiny):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
+    runner = engine.runner
+    # Token buckets 8..64, rows min(tokens, 16): 4 forward programs, and 2 sampler variants
+    # (greedy, random) for each of the 2 row buckets (8, 16).
+    assert runner.token_buckets == [8, 16, 32, 64]
+    assert sorted({runner.row_bucket(t) for t in runner.token_buckets}) == [8, 16]
+    assert runner.num_compiled_programs == 4 + 2 * 2
+    # All-padding warm-up writes nothing: the pool is still zeros.
+    assert not np.asarray(runner.kv_pages).any()
+
+
+def test_served_workload_compiles_nothing_after_start_up(tiny):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, [1, 3, 9, 30, 61, 100, 7, 44, 2, 15, 80, 5])
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(1, 20)),
+                             ignore_eos=True) for i in range(len(prompts))]
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.01 * i)            # staggered arrivals: mixed prefill/decode steps
+        final = None
+        stream = await engine.add_request(engine.make_request(f"r{i}", prompts[i], params[i]))
+        async for out in stream:
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    async def workload() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        programs = engine.engine.runner.num_compiled_programs
+        with count_compiles() as compiles:
+            lengths = asyncio.run(workload())
+        assert lengths == [p.max_tokens for p in params]
+        assert compiles == [], f"{len(compiles)} XLA compilations during the served workload"
+        assert engine.engine.runner.num_compiled_programs == programs
+    finally:
+        engine.shutdown()
+
+
+def test_precompile_can_be_turned_off(tiny):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), precompile=False, **ENGINE_ARGS))
+    assert engine.runner.num_compiled_programs == 0
