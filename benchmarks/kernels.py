@@ -187,7 +187,7 @@ def _time_call(fn, *args, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_backends(iters: int, quick: bool) -> None:
+def time_backends(iters: int, quick: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -215,6 +215,7 @@ def time_backends(iters: int, quick: bool) -> None:
               "representative of GPU/TPU kernels.")
     header = f"{'workload':<18}{'batch':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
     print(header + ("    achieved GB/s (% of peak)" if not on_cpu else ""))
+    results = []
     for kind, batch, context in workloads:
         if kind == "decode":
             rows = [(1, context)] * batch
@@ -224,6 +225,8 @@ def time_backends(iters: int, quick: bool) -> None:
             rows = [(1, context)] * batch + [(256, 768)]
         q, kv, md, live_bytes = _batch(rows, dtype=dtype, **shapes)
         cells, best = [], None
+        results.append({"platform": platform, "device": device.device_kind, "workload": kind, "batch": batch,
+                        "context": context, "live_bytes": live_bytes, "ms": {}})
         for backend in backends:
             if backend == "reference":
                 fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
@@ -231,13 +234,16 @@ def time_backends(iters: int, quick: bool) -> None:
                 fn = jax.jit(functools.partial(paged_attention, backend=backend, scale=0.125))
             sec = _time_call(fn, q, kv, jnp.int32(0), md, iters=iters)
             cells.append(f"{sec * 1e3:>15.2f} ms")
+            results[-1]["ms"][backend] = sec * 1e3
             if backend == "pallas":
                 best = sec
         line = f"{kind:<18}{batch:>6}{context:>8}  " + "".join(cells)
         if best is not None:
             gbs = live_bytes / best / 1e9
             line += f"    {gbs:8.1f}" + (f" ({live_bytes / best / peak:.0%})" if peak else "")
+            results[-1]["achieved_gb_s"] = gbs
         print(line)
+    return results
 
 
 # ------------------------------------------------------------------------ compile checks
@@ -356,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compile_check:
         return 1 if compile_check(args.libtpu, args.triton) else 0
-    time_backends(args.iters, args.quick)
+    rows = time_backends(args.iters, args.quick)
+    from benchmarks.common import write_json
+
+    write_json("kernels", {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -1,7 +1,9 @@
 """Offline throughput: ``LLM.generate`` over a seeded synthetic workload, optionally side by
-side with Hugging Face transformers static batching on the same model and requests.
+side with Hugging Face transformers static batching (``--peer hf``) or vLLM's CPU build
+(``--peer vllm``: ``vllm.LLM.generate`` in a virtualenv of its own, see ``benchmarks/vllm_peer.py``)
+on the same model and requests (same token ids and output lengths, ignore_eos, temperature 0).
 
-``python -m benchmarks.throughput --n 64 --seed 0 [--peer hf]``
+``python -m benchmarks.throughput --n 64 --seed 0 [--peer hf] [--peer vllm]``
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> d
     return best
 
 
+def run_vllm(reqs: list[WorkloadRequest], args, ours_rows: list[dict]) -> list[dict]:
+    """vLLM rows (best round per dtype), each with the ratio of ours (best round) to it."""
+    from benchmarks import vllm_peer
+
+    vllm_peer.setup()
+    ours = max(r["output_tok_per_s"] for r in ours_rows if r["system"].startswith("jaxpaged"))
+    rows = []
+    for dtype in args.vllm_dtypes.split(","):
+        res = vllm_peer.run(reqs, args.model, dtype, args.vllm_rounds, args.max_num_seqs,
+                            args.max_num_batched_tokens)
+        print(f"{res['system']}: load {res['load_s']:.1f} s, rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
+        row = report(res["system"], reqs, min(res["seconds"]))
+        row["ratio_jaxpaged_over_peer"] = ours / row["output_tok_per_s"]
+        print(f"  ratio jaxpaged / {res['system']} (output tok/s): {row['ratio_jaxpaged_over_peer']:.2f}x")
+        rows.append(row)
+    return rows
+
+
 def report(name: str, reqs: list[WorkloadRequest], seconds: float) -> dict:
     out_tokens = sum(r.output_len for r in reqs)
     all_tokens = out_tokens + sum(len(r.prompt_token_ids) for r in reqs)
@@ -87,9 +107,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="jaxpaged runs (the first includes compilation)")
-    ap.add_argument("--peer", choices=["hf"], action="append", default=[])
+    ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
     ap.add_argument("--hf-batch-sizes", default="1,8")
+    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM runs, one per dtype")
+    ap.add_argument("--vllm-rounds", type=int, default=2)
     args = ap.parse_args()
 
     reqs = synthetic(args.n, args.seed)
@@ -108,6 +130,8 @@ def main() -> None:
         rows.append(hf_row)
         ours = max(r["output_tok_per_s"] for r in rows if r["system"].startswith("jaxpaged"))
         print(f"ratio jaxpaged / HF (useful output tok/s): {ours / hf_row['output_tok_per_s']:.1f}x")
+    if "vllm" in args.peer:
+        rows += run_vllm(reqs, args, rows)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows,
                                                          "compiled_programs": res["compiled_programs"]}, indent=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pathlib
 import sys
 import typing
 
@@ -99,7 +100,36 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="Run a benchmark of benchmarks/ (as python -m benchmarks.NAME, from a "
+                                         "source checkout); the arguments after NAME are the benchmark's.")
+    bench.add_argument("name", choices=_benchmark_names(),
+                       help="The benchmark; `jaxpaged bench NAME --help` lists its flags.")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="The benchmark's own arguments.")
+    bench.set_defaults(func=_bench)
     return parser
+
+
+_SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _benchmark_names() -> list[str]:
+    """The modules of the source checkout's ``benchmarks/`` that run as scripts."""
+    return sorted(p.stem for p in (_SOURCE_ROOT / "benchmarks").glob("*.py")
+                  if 'if __name__ == "__main__":' in p.read_text())
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    """``benchmarks.<name>`` run as ``__main__`` with ``ns.args`` as its command line."""
+    import runpy
+
+    if not (_SOURCE_ROOT / "benchmarks" / "__init__.py").is_file():
+        raise FileNotFoundError(f"no benchmarks/ next to the package in {_SOURCE_ROOT}: the benchmarks run from "
+                                "a source checkout (pip install -e '.[bench]').")
+    sys.path.insert(0, str(_SOURCE_ROOT))
+    sys.argv = [f"jaxpaged bench {ns.name}", *ns.args]
+    runpy.run_module(f"benchmarks.{ns.name}", run_name="__main__", alter_sys=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,205 @@
+"""Host overhead of one decode step at 16 / 64 / 256 running requests, apart from device time.
+
+A real ``LLMEngine.step()`` runs, with ``time.perf_counter`` wrapped around its public pieces on
+the instances (nothing in the engine is changed):
+
+- schedule: ``engine.scheduler.schedule()`` (scheduler + block manager);
+- prepare: ``engine.runner.prepare()`` (numpy batch building), called inside ``runner.execute``;
+- device: the rest of ``runner.execute()`` (block transfers, host->device copies, dispatch of
+  the jitted model and sampler programs, waiting for them, device->host copies);
+- output: the rest of ``step()`` after ``execute`` returns: appending tokens, stop checks,
+  incremental detokenization, building ``RequestOutput`` objects, freeing finished requests.
+
+schedule + prepare + output is the host overhead; the target is <= 0.5 ms per decode step at
+256 running requests. The model is a tiny random one (2 layers, hidden 64) so the device part
+stays small, with SmolLM2's vocabulary and tokenizer so detokenization costs what it does for
+real. Every timed step is checked to be a pure decode step of all requests.
+
+``python -m benchmarks.overhead [--batch-sizes 16,64,256] [--steps 30]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from benchmarks.common import (UNDER_LOAD, new_figure, print_table, save_figure, tiny_model_dir, write_json)
+
+PHASES = ("schedule", "prepare", "output", "device")
+TARGET_MS = 0.5
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds of one ``engine.step()`` and of its phases."""
+
+    step: float
+    schedule: float
+    prepare: float
+    execute: float
+    num_requests: int
+    num_tokens: int
+
+    @property
+    def device(self) -> float:
+        return self.execute - self.prepare
+
+    @property
+    def output(self) -> float:
+        return self.step - self.schedule - self.execute
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.prepare + self.output
+
+
+@contextmanager
+def phase_timers(engine):
+    """Wrap the scheduler's ``schedule`` and the runner's ``prepare`` / ``execute`` on the engine's
+    instances; yields ``timed_step() -> StepTiming``. The originals are restored on exit."""
+    spans: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": []}
+    last: dict[str, object] = {}
+    targets = {"schedule": engine.scheduler, "prepare": engine.runner, "execute": engine.runner}
+    originals = {name: getattr(obj, name) for name, obj in targets.items()}
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            result = fn(*args, **kwargs)
+            spans[name].append(time.perf_counter() - t)
+            if name == "schedule":
+                last["out"] = result
+            return result
+        return timed
+
+    for name, obj in targets.items():
+        setattr(obj, name, wrap(name, originals[name]))
+
+    def timed_step() -> StepTiming:
+        for s in spans.values():
+            s.clear()
+        t = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t
+        counts = {k: len(v) for k, v in spans.items()}
+        if counts != {"schedule": 1, "prepare": 1, "execute": 1}:
+            raise RuntimeError(f"engine.step() called the timed pieces {counts} times, not once each: "
+                               "the step's structure changed, update benchmarks/overhead.py")
+        out = last["out"]
+        return StepTiming(total, spans["schedule"][0], spans["prepare"][0], spans["execute"][0],
+                          len(out.requests), out.total_num_tokens)
+
+    try:
+        yield timed_step
+    finally:
+        for name, obj in targets.items():
+            delattr(obj, name)          # the instance attribute shadowed the class's method
+
+
+def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int, seed: int = 0) -> list[StepTiming]:
+    """Fill the engine with ``num_requests`` greedy requests, run their prompts and ``warmup`` decode
+    steps (compilation), then time ``steps`` decode steps of all of them; aborts them afterwards."""
+    from jaxpaged import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    # As long as possible: the requests prefilled first decode while the others' prompts run.
+    sp = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
+    ids = [f"overhead-{num_requests}-{i}" for i in range(num_requests)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(32, engine.vocab_size, prompt_len).tolist(), sp)
+    try:
+        with phase_timers(engine) as timed_step:
+            reqs = [engine.scheduler.get_request(rid) for rid in ids]
+            while not all(r.num_output_tokens >= 1 for r in reqs):
+                engine.step()
+            for _ in range(warmup):
+                engine.step()
+            timings = [timed_step() for _ in range(steps)]
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    bad = [t for t in timings if (t.num_requests, t.num_tokens) != (num_requests, num_requests)]
+    if bad:
+        raise RuntimeError(f"a timed step was not a pure decode step of {num_requests} requests: {bad[0]}")
+    return timings
+
+
+def summarize(timings: list[StepTiming]) -> dict[str, float]:
+    """Median milliseconds per step of each phase, of the host total and of the whole step."""
+    med = (lambda xs: 1e3 * statistics.median(xs))
+    row = {p: med([getattr(t, p) for t in timings]) for p in PHASES}
+    row["host"] = med([t.host for t in timings])
+    row["step"] = med([t.step for t in timings])
+    return row
+
+
+def build_engine(args):
+    from jaxpaged import EngineArgs, LLMEngine
+
+    model = str(tiny_model_dir(args.vocab_size)) if args.model == "tiny" else args.model
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=model, tokenizer=args.tokenizer, max_num_seqs=max(args.batch_sizes),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory))
+
+
+def plot(rows: list[dict]) -> None:
+    fig, (ax,) = new_figure()
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for phase in ("schedule", "prepare", "output"):
+        vals = np.array([r[phase] for r in rows])
+        ax.bar(x, vals, bottom=bottom, label=phase)
+        bottom += vals
+    ax.axhline(TARGET_MS, color="k", linestyle="--", label=f"target {TARGET_MS} ms")
+    ax.set_xticks(x, [str(r["num_requests"]) for r in rows])
+    ax.set(xlabel="running requests (decode step)", ylabel="host ms per step (median)",
+           title="host overhead per decode step (under load)")
+    ax.legend()
+    save_figure(fig, "overhead")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (random 2-layer model) or any model argument")
+    ap.add_argument("--tokenizer", default="smollm2-135m-instruct",
+                    help="tokenizer (default SmolLM2's, for realistic detokenization; 'none' = the model's)")
+    ap.add_argument("--vocab-size", type=int, default=49152, help="vocabulary of the tiny model")
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256])
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (compilation)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--kv-cache-memory", type=int, default=64 * 2**20)
+    args = ap.parse_args(argv)
+    if args.tokenizer == "none":
+        args.tokenizer = None
+
+    engine = build_engine(args)
+    rows = []
+    for n in args.batch_sizes:
+        timings = measure(engine, n, args.steps, args.warmup, args.prompt_len)
+        rows.append({"num_requests": n, **summarize(timings), "steps": [asdict(t) for t in timings]})
+    print(f"median ms per decode step ({args.steps} steps each; {UNDER_LOAD})")
+    print_table(["running", *PHASES, "host total", "step"],
+                [[r["num_requests"], *(r[p] for p in PHASES), r["host"], r["step"]] for r in rows],
+                widths=[9, 11, 11, 11, 11, 12, 11])
+    top = rows[-1]
+    verdict = "met" if top["host"] <= TARGET_MS else "NOT met"
+    print(f"host overhead at {top['num_requests']} running requests: {top['host']:.3f} ms per step "
+          f"(target <= {TARGET_MS} ms: {verdict}); device = execute - prepare")
+    plot(rows)
+    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows}
+    write_json("overhead", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

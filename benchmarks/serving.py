@@ -1,0 +1,301 @@
+"""Online serving latency vs. request rate (the vLLM paper's Figure 12), over the OpenAI API.
+
+Starts ``jaxpaged serve`` on 127.0.0.1 (a free port) as a subprocess, or targets ``--url``.
+For each request rate (requests/s) the seeded synthetic workload is sent with Poisson arrivals
+to ``/v1/completions`` as token ids (``prompt: [ids]``), greedy, ``ignore_eos`` (so each output
+has its exact length), streamed (SSE) by an asynchronous httpx client. Per rate it reports:
+
+- TTFT: time from sending to the first streamed chunk;
+- TPOT: (end-to-end - TTFT) / (output tokens - 1), per request;
+- ITL (inter-token latency): the gaps between streamed chunks, all requests pooled (a chunk can
+  hold more than one token, e.g. a multi-byte character: as in vLLM's benchmark_serving);
+- end-to-end latency, and normalized latency = end-to-end / output tokens (Figure 12's y-axis);
+- throughput (completed requests/s, output tokens/s) over the time from the first send to the
+  last completion, and goodput: requests/s meeting every SLO (``--slo-ttft``, ``--slo-tpot``).
+
+``python -m benchmarks.serving [--rates 1,2,4,8] [--n 64] [--url http://127.0.0.1:8000]
+[-- extra jaxpaged serve flags]``; the table and ``results/serving.{json,png}`` follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import ROOT, UNDER_LOAD, new_figure, percentiles, print_table, save_figure, write_json
+from benchmarks.workload import WorkloadRequest, synthetic
+
+
+@dataclass
+class RequestRecord:
+    """Client-side timings of one streamed request (``time.perf_counter`` seconds)."""
+
+    prompt_len: int
+    output_len: int
+    """Tokens asked for (and, with ignore_eos, produced)."""
+    send_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    """Arrival of every streamed chunk carrying text or a finish reason."""
+    end_time: float = 0.0
+    completion_tokens: int | None = None
+    """What the server's usage reported."""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.send_time
+
+    @property
+    def e2e(self) -> float:
+        return self.end_time - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.completion_tokens or self.output_len
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return np.diff(self.chunk_times).tolist()
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """Send offsets (seconds) of ``n`` requests arriving as a Poisson process of ``rate`` per second
+    (``rate`` = inf sends all at once); the first is at 0."""
+    if np.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def summarize(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) -> dict:
+    """Latency percentiles, throughput and goodput of one rate's records."""
+    done = [r for r in records if r.ok]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    duration = (max(r.end_time for r in done) - min(r.send_time for r in records)) if done else float("nan")
+    good = [r for r in done if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
+    out_tokens = sum(r.completion_tokens or r.output_len for r in done)
+    return {
+        "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "duration_s": duration,
+        "ttft": percentiles([r.ttft for r in done]),
+        "tpot": percentiles(tpots),
+        "itl": percentiles([g for r in done for g in r.itls]),
+        "e2e": percentiles([r.e2e for r in done]),
+        "normalized_latency": percentiles([r.e2e / (r.completion_tokens or r.output_len) for r in done]),
+        "throughput_req_s": len(done) / duration if done else 0.0,
+        "output_tok_s": out_tokens / duration if done else 0.0,
+        "goodput_req_s": len(good) / duration if done else 0.0,
+        "slo_attainment": len(good) / len(records) if records else 0.0,
+    }
+
+
+async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: RequestRecord) -> None:
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    rec.send_time = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = str(chunk["error"])[:200]
+                    return
+                if chunk.get("usage"):
+                    rec.completion_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") or c.get("finish_reason") for c in chunk.get("choices", [])):
+                    rec.chunk_times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        rec.end_time = time.perf_counter()
+
+
+async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: float, seed: int) -> list[RequestRecord]:
+    """Send ``reqs`` at Poisson arrivals of ``rate`` per second; wait for all to finish."""
+    import httpx
+
+    offsets = poisson_arrivals(len(reqs), rate, seed)
+    records = [RequestRecord(len(r.prompt_token_ids), r.output_len) for r in reqs]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for req, rec, offset in zip(reqs, records, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send_one(client, url, model, req, rec)))
+        await asyncio.gather(*tasks)
+    return records
+
+
+def warm_up(url: str, model: str, reqs: list[WorkloadRequest], max_output: int = 32) -> list[RequestRecord]:
+    """Compile the server's common step programs before measuring: ``reqs`` (outputs capped) all at
+    once, then one alone (batches from many rows down to one, prompt chunks and decodes)."""
+    warm = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output)) for r in reqs]
+    return [*asyncio.run(run_rate(url, model, warm, float("inf"), 0)),
+            *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, extra: list[str], timeout: float, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """``jaxpaged serve`` on a free loopback port; returns (process, base URL) once /health is 200."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", model, "--log-level", "warning", *extra]
+    log = open(log_path, "w")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jaxpaged serve exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.terminate()
+    raise RuntimeError(f"jaxpaged serve did not become healthy in {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def plot(rows: list[dict], slo_tpot: float) -> None:
+    fig, (ax_n, ax_t) = new_figure(ncols=2)
+    rates = [r["rate"] for r in rows]
+    ax_n.plot(rates, [r["normalized_latency"]["mean"] for r in rows], "o-", label="jaxpaged (mean)")
+    ax_n.plot(rates, [r["normalized_latency"]["p90"] for r in rows], "s--", label="jaxpaged (p90)")
+    ax_n.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)",
+             title="normalized latency vs. rate (under load)")
+    ax_n.legend()
+    for key, style in (("p50", "o-"), ("p99", "s--")):
+        ax_t.plot(rates, [r["ttft"][key] for r in rows], style, label=f"TTFT {key}")
+        ax_t.plot(rates, [r["tpot"][key] for r in rows], style, label=f"TPOT {key}")
+    ax_t.axhline(slo_tpot, color="grey", linestyle=":", label=f"TPOT SLO {slo_tpot} s")
+    ax_t.set(xlabel="request rate (req/s)", ylabel="seconds", yscale="log", title="TTFT and TPOT")
+    ax_t.legend(fontsize=8)
+    save_figure(fig, "serving")
+
+
+def print_rows(rows: list[dict]) -> None:
+    ms = (lambda s: 1e3 * s)
+    print_table(["rate", "done", "req/s", "out tok/s", "goodput", "SLO %", "TTFT p50", "p90", "p99",
+                 "TPOT p50", "p90", "p99", "ITL p50", "p99", "E2E p50", "p99", "norm mean", "norm p99"],
+                [[r["rate"], r["completed"], r["throughput_req_s"], r["output_tok_s"], r["goodput_req_s"],
+                  100 * r["slo_attainment"], *(ms(r["ttft"][k]) for k in ("p50", "p90", "p99")),
+                  *(ms(r["tpot"][k]) for k in ("p50", "p90", "p99")), ms(r["itl"]["p50"]), ms(r["itl"]["p99"]),
+                  r["e2e"]["p50"], r["e2e"]["p99"], ms(r["normalized_latency"]["mean"]),
+                  ms(r["normalized_latency"]["p99"])] for r in rows],
+                widths=[6, 6, 7, 10, 9, 7, 10, 9, 9, 10, 9, 9, 9, 9, 9, 8, 10, 10])
+    print("(TTFT, TPOT, ITL and normalized latency in ms; E2E in s; goodput in req/s meeting the SLOs)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="target this server instead of starting one")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model to serve (and to name in requests)")
+    ap.add_argument("--served-model-name", default=None, help="model name in requests (default: --model)")
+    ap.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma-separated; 'inf' = all at once")
+    ap.add_argument("--n", type=int, default=64, help="requests per rate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-mean", type=float, default=128)
+    ap.add_argument("--output-mean", type=float, default=128)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (goodput)")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds (goodput)")
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="workload requests (outputs capped at 32 tokens) sent before measuring, to compile "
+                         "the step programs: all at once, then one alone (0 = no warm-up)")
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"),
+                    help="persistent JAX compilation cache of the started server ('' = none)")
+    ap.add_argument("serve_args", nargs="*", help="extra `jaxpaged serve` flags, after `--`")
+    args = ap.parse_args(argv)
+
+    rates = [float(r) for r in args.rates.split(",")]
+    reqs = synthetic(args.n, args.seed, prompt_mean=args.prompt_mean, output_mean=args.output_mean,
+                     max_total=args.max_model_len)
+    name = args.served_model_name or args.model
+    proc = None
+    if args.url is None:
+        extra = ["--max-model-len", str(args.max_model_len), *args.serve_args]
+        if args.compilation_cache_dir:
+            extra += ["--compilation-cache-dir", args.compilation_cache_dir]
+        if args.served_model_name:
+            extra += ["--served-model-name", args.served_model_name]
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "jaxpaged-serving-bench.log"
+        t = time.perf_counter()
+        proc, url = start_server(args.model, extra, args.startup_timeout, log_path)
+        print(f"started jaxpaged serve at {url} in {time.perf_counter() - t:.1f} s (log: {log_path})")
+    else:
+        url = args.url.rstrip("/")
+    rows = []
+    try:
+        if args.warmup:
+            t = time.perf_counter()
+            recs = warm_up(url, name, reqs[:args.warmup])
+            print(f"warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
+                  f"{sum(not r.ok for r in recs)} failed")
+        for rate in rates:
+            t = time.perf_counter()
+            records = asyncio.run(run_rate(url, name, reqs, rate, args.seed))
+            row = {"rate": rate, **summarize(records, args.slo_ttft, args.slo_tpot),
+                   "records": [asdict(r) for r in records]}
+            errors = [r.error for r in records if r.error]
+            print(f"rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"
+                  + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), flush=True)
+            rows.append(row)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    print(f"\n{args.n} requests per rate, SLOs TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {UNDER_LOAD}")
+    print_rows(rows)
+    plot(rows, args.slo_tpot)
+    result = {"args": vars(args), "note": UNDER_LOAD, "rows": rows}
+    write_json("serving", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

