@@ -124,6 +124,9 @@ def test_incremental_random_ids_byte_level(smollm2_tokenizer, skip_special_token
         output = [rng.choice(pool) for _ in range(rng.randrange(0, 40))] + tok.encode(".")  # ends complete
         detok = stream(tok, prompt, output, [rng.randrange(1, 4)], skip_special_tokens)
         assert detok.text == tok.decode(output, skip_special_tokens=skip_special_tokens)
+        # ``decode`` goes straight to the Rust decoder; transformers' own decode is the reference.
+        assert tok.decode(output, skip_special_tokens) == tok.hf.decode(
+            output, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
