@@ -199,7 +199,10 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
     peak = _peak_bandwidth(device.device_kind)
     on_cpu = platform == "cpu"
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    backends = ["xla", "pallas_interpret" if on_cpu else "pallas", "reference"]
+    from pallas_kernels.cpu_attention import native_kernel_available
+
+    native = ["cpu"] if on_cpu and native_kernel_available() else []
+    backends = [*native, "xla", "pallas_interpret" if on_cpu else "pallas", "reference"]
     shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
     workloads = [("decode", 1, 512), ("decode", 8, 512), ("decode", 32, 512), ("decode", 8, 2048),
                  ("prefill 512", 1, 512), ("mixed 8x1 + 256", 8, 1024)]
@@ -211,7 +214,8 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
           f"attention Hq={shapes['q_heads']} Hkv={shapes['kv_heads']} D={shapes['head_dim']} "
           f"block_size={shapes['block_size']}")
     if on_cpu:
-        print("CPU: pallas_interpret is the Pallas kernel run by the interpreter; its timings are not "
+        print("CPU: cpu is the native C++ kernel (the default CPU backend); pallas_interpret is the Pallas "
+              "kernel run by the interpreter, its timings are not "
               "representative of GPU/TPU kernels.")
     header = f"{'workload':<18}{'batch':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
     print(header + ("    achieved GB/s (% of peak)" if not on_cpu else ""))

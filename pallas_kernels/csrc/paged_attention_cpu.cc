@@ -121,12 +121,20 @@ void RunItem(const Problem& p, const WorkItem& w, const T* q, const T* kv, T* ou
   const int64_t page_stride = p.block_size * p.hkv * d;
   const T* k_base = kv + (p.layer * 2 + 0) * p.num_blocks * page_stride + w.head * d;
   const T* v_base = kv + (p.layer * 2 + 1) * p.num_blocks * page_stride + w.head * d;
-  auto slot = [&](int64_t k) { return table[k / p.block_size] * page_stride + (k % p.block_size) * p.hkv * d; };
+  const int64_t row_stride = p.hkv * d;
+  // Visits keys [kmin, kmax) in order, block by block (no division per key): f(k, offset of its row).
+  auto for_each_key = [&](auto&& f) {
+    for (int64_t b = kmin / p.block_size; b * p.block_size < kmax; ++b) {
+      const int64_t page = table[b] * page_stride;
+      const int64_t lo = std::max(kmin, b * p.block_size), hi = std::min(kmax, (b + 1) * p.block_size);
+      for (int64_t k = lo; k < hi; ++k) f(k, page + (k - b * p.block_size) * row_stride);
+    }
+  };
 
-  for (int64_t k = kmin; k < kmax; ++k) {
-    const float* kr = CacheRow(k_base + slot(k), kf, d);
+  for_each_key([&](int64_t k, int64_t offset) {
+    const float* kr = CacheRow(k_base + offset, kf, d);
     for (int64_t i = 0; i < nq; ++i) s[i * nk + (k - kmin)] = Dot(qf + i * d, kr, d);
-  }
+  });
   std::memset(acc, 0, nq * d * sizeof(float));
   std::vector<float> denom(nq);
   for (int64_t i = 0; i < nq; ++i) {
@@ -151,13 +159,13 @@ void RunItem(const Problem& p, const WorkItem& w, const T* q, const T* kv, T* ou
     }
     denom[i] = sum;
   }
-  for (int64_t k = kmin; k < kmax; ++k) {
-    const float* vr = CacheRow(v_base + slot(k), kf, d);
+  for_each_key([&](int64_t k, int64_t offset) {
+    const float* vr = CacheRow(v_base + offset, kf, d);
     for (int64_t i = 0; i < nq; ++i) {
       const float pk = s[i * nk + (k - kmin)];
       if (pk != 0.f) Axpy(pk, vr, acc + i * d, d);
     }
-  }
+  });
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t i = t * g + j;
