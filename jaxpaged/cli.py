@@ -61,12 +61,24 @@ def _serve(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = engine_args_from(ns)
-    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
+    multihost = ns.num_processes > 1
+    if multihost:       # one engine over every process's devices; process 0 serves, the others follow it
+        from jaxpaged import distributed
+
+        distributed.initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+        sync_engine = distributed.build_engine(args)
+        if sync_engine is None:
+            return 0
+        engine = AsyncLLMEngine(sync_engine, max_waiting_requests=ns.max_waiting_requests)
+    else:
+        engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
     try:
         app = build_app(engine, ns.served_model_name or args.model, api_key=ns.api_key, log_prompts=ns.log_prompts)
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
         engine.shutdown()
+        if multihost:
+            distributed.stop_followers(engine.engine)
     return 0
 
 
@@ -98,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Queued requests beyond this are refused with 503 instead of piling up.")
     serve.add_argument("--log-prompts", action="store_true", help="Log prompt texts (off: only token counts).")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    multi = serve.add_argument_group("multi-host (one engine over several processes, on jax.distributed)")
+    multi.add_argument("--coordinator-address", default=None,
+                       help="HOST:PORT of process 0, which coordinates, schedules and serves HTTP.")
+    multi.add_argument("--num-processes", type=int, default=1, help="Processes (hosts) in all.")
+    multi.add_argument("--process-id", type=int, default=0, help="This process's index, 0 = the leader.")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

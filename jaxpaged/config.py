@@ -46,6 +46,10 @@ class EngineArgs:
     attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
                                   "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
                                   "(cpu) if it was built at install, else plain XLA ops (xla).")
+    tensor_parallel_size: int = _arg(1, "Devices one engine's model is split over by attention heads (and MLP "
+                                     "width, vocabulary); must divide the model's query heads.")
+    data_parallel_size: int = _arg(1, "Engine replicas behind one front end, each on its own "
+                                   "tensor_parallel_size devices (needs data x tensor parallel devices).")
     seed: int = _arg(0, "Seed for requests that do not give their own.")
     compilation_cache_dir: str | None = _arg(DEFAULT_COMPILATION_CACHE, "Persistent JAX compilation cache "
                                              "directory (compiled step programs survive restarts); '' disables it.")
@@ -87,6 +91,12 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -94,6 +104,7 @@ class EngineConfig:
     attention_backend: str
     compilation_cache_dir: str | None
     precompile: bool
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -118,6 +129,10 @@ class EngineConfig:
         if a.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {a.attention_backend!r}.")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(a, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         return cls(
             model=ModelConfig(a.model, a.tokenizer, a.dtype, a.max_model_len, a.seed),
             cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override, a.enable_prefix_caching,
@@ -127,4 +142,5 @@ class EngineConfig:
             attention_backend=a.attention_backend,
             compilation_cache_dir=a.compilation_cache_dir,
             precompile=a.precompile,
+            parallel=ParallelConfig(a.tensor_parallel_size, a.data_parallel_size),
         )

@@ -24,6 +24,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
@@ -125,9 +126,13 @@ class CacheInfo:
 class LLMEngine:
     """The synchronous engine; ``LLM`` and the async server drive it."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
+        """``devices``: the devices of this engine's tensor-parallel group (a data-parallel replica's);
+        default: the first ``tensor_parallel_size`` devices."""
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
+        tp = config.parallel.tensor_parallel_size
+        mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -137,9 +142,12 @@ class LLMEngine:
         dtype = jnp.dtype(mc.dtype)
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend))
         del ckpt
+        if mesh is not None:
+            model = parallel.shard_model(model, mesh)
         self.vocab_size = model.shape.vocab_size
         s = model.shape
-        bytes_per_block = s.num_layers * 2 * cc.block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
+        # Per device: under tensor parallelism a device holds num_kv_heads / tp heads of every block.
+        bytes_per_block = s.num_layers * 2 * cc.block_size * (s.num_kv_heads // tp) * s.head_dim * dtype.itemsize
         num_blocks = cc.num_blocks_override or cc.kv_cache_memory // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cc.kv_cache_memory} bytes holds {num_blocks} blocks of "
@@ -177,13 +185,20 @@ class LLMEngine:
         self.warmup_time = time.perf_counter() - t0
         if num_precompiled:
             logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
-        logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+        logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s)",
                     mc.model, self.load_time, self.cache_info.num_usable_blocks, cc.block_size,
-                    self.cache_info.num_tokens, num_blocks * bytes_per_block / 2**20)
+                    self.cache_info.num_tokens, num_blocks * bytes_per_block / 2**20,
+                    f" per device, {tp} devices" if tp > 1 else "")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        """The engine for ``args``: with ``data_parallel_size > 1`` a ``DataParallelEngine`` (the same
+        public API over several replicas)."""
+        config = args.create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            from jaxpaged.data_parallel import DataParallelEngine
+            return DataParallelEngine(config)
+        return cls(config)
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ width, prefill tiles) so the set of compiled programs stays small and known.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged import parallel
 from jaxpaged.request import Request
 from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
 from jaxpaged.sampling_params import MAX_LOGPROBS
@@ -84,15 +86,34 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-@functools.partial(jax.jit, static_argnames=("module",), donate_argnames=("kv_pages",))
+def _step(module, params, kv_pages, input_ids, positions, md, logits_indices):
+    logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices)
+    return kv_pages, logits
+
+
+@functools.cache
+def _jit_step(mesh):
+    """``_step`` jitted for one device mesh (None: one device). On a mesh the shardings are explicit:
+    params as placed, KV pages split on the kv-head axis in and out (donated), step inputs
+    replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler."""
+    if mesh is None:
+        return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",))
+    kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
+    return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",),
+                   in_shardings=(None, kv, rep, rep, rep, rep), out_shardings=(kv, rep))
+
+
 def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices):
     """The model part of the step: forward over the ragged batch, KV written in place, logits out.
 
-    Module-level (the Flax module is a static, hashable argument) so engines with the same
-    model share compiled programs.
+    Module-level (the Flax module is a static, hashable argument, and carries its device mesh
+    under tensor parallelism) so engines with the same model share compiled programs.
     """
-    logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices)
-    return kv_pages, logits
+    return _jit_step(getattr(module, "mesh", None))(module, params, kv_pages, input_ids, positions, md,
+                                                     logits_indices)
+
+
+step_fn.lower = lambda module, *args: _jit_step(getattr(module, "mesh", None)).lower(module, *args)
 
 
 @functools.partial(jax.jit, static_argnames=("flags",))
@@ -154,7 +175,10 @@ class ModelRunner:
     def __init__(self, model: BuiltModel, *, num_blocks: int, block_size: int, dtype: Any,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  num_host_blocks: int = 0):
-        self.model = model
+        # Under tensor parallelism (the module carries a mesh) params go into their shards and the
+        # KV pages are created split on the kv-head axis; otherwise both live on the default device.
+        mesh = getattr(model.module, "mesh", None)
+        self.model = dataclasses.replace(model, params=parallel.place_params(model.params, mesh))
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -162,7 +186,10 @@ class ModelRunner:
         self.gathers_pages = gathers_pages(model.module.attention_backend)
         self.max_rows = _bucket(max_num_seqs, 1 << 30)
         s = model.shape
-        self.kv_pages = jnp.zeros((s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype)
+        kv_shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        self.kv_pages = (jnp.zeros(kv_shape, dtype) if mesh is None else
+                         parallel.zeros(kv_shape, dtype, parallel.kv_sharding(mesh)))
+        logger.info("memory per device: %s", parallel.format_memory(self.memory_per_device()))
         # Host page pool for swapped-out blocks (preemption_mode="swap"); zeros are allocated lazily.
         self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
                                    self.kv_pages.dtype)
@@ -171,6 +198,10 @@ class ModelRunner:
     @property
     def num_compiled_programs(self) -> int:
         return len(self.program_keys)
+
+    def memory_per_device(self) -> dict[Any, parallel.DeviceMemory]:
+        """Bytes of parameter and KV-page shards on each of this process's devices."""
+        return parallel.memory_per_device(self.model.params, self.kv_pages)
 
     def token_bucket(self, num_tokens: int) -> int:
         """Padded token count of a step: a power of two from ``MIN_TOKENS`` to the step budget."""

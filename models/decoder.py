@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import AttentionMetadata, paged_attention, write_kv
+from pallas_kernels import AttentionMetadata, write_kv
+from pallas_kernels.sharded import paged_attention, split_fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 NORMS = ("rmsnorm", "layernorm")
@@ -146,6 +147,7 @@ class DecoderLayer(nn.Module):
     cfg: DecoderConfig
     dtype: Any
     attention_backend: str
+    mesh: Any = None    # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
 
     @nn.compact
     def __call__(self, carry, rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata):
@@ -159,14 +161,14 @@ class DecoderLayer(nn.Module):
 
         x = attn_norm(h) if c.pre_norm else h
         qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x)
-        q = qkv[:, :q_size].reshape(T, c.num_heads, c.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(T, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        q, k, v = split_fused(qkv, (q_size, kv_size, kv_size), self.mesh)
+        q = q.reshape(T, c.num_heads, c.head_dim)
+        k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
-        attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend,
+        attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
                                scale=scale, sliding_window=c.sliding_window)
         h = h + dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size))
         if not c.pre_norm:
@@ -176,7 +178,8 @@ class DecoderLayer(nn.Module):
         act = ACTIVATIONS[c.activation]
         if c.gated_mlp:
             gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x)
-            y = act(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
+            gate, up = split_fused(gate_up, (c.intermediate_size, c.intermediate_size), self.mesh)
+            y = act(gate) * up
         else:
             y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x))
         h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y)
@@ -191,6 +194,7 @@ class DecoderForCausalLM(nn.Module):
     cfg: DecoderConfig
     dtype: Any = jnp.float32
     attention_backend: str = "xla"
+    mesh: Any = None    # set by jaxpaged.parallel.shard_model for tensor parallelism
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices):
@@ -210,7 +214,7 @@ class DecoderForCausalLM(nn.Module):
                              param_dtype=self.dtype, name="embed_positions")(positions + c.position_offset)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
-        (h, kv_pages, _), _ = layers(c, self.dtype, self.attention_backend, name="layers")(
+        (h, kv_pages, _), _ = layers(c, self.dtype, self.attention_backend, self.mesh, name="layers")(
             (h, kv_pages, jnp.int32(0)), rope, md)
         h = h[logits_indices]
         if c.final_norm:
@@ -337,7 +341,8 @@ def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any
            if a.shape != e.shape]
     if bad:
         raise ValueError(f"checkpoint shapes do not match the config: {bad[:3]}")
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+    # Host arrays: the runner places them (into their shards under tensor parallelism).
+    return jax.tree_util.tree_map(lambda a: np.asarray(a, jnp.dtype(dtype)), params)
 
 
 def hf_prefix(tensors: Mapping[str, np.ndarray], probe: str, prefixes: tuple[str, ...]) -> str:
