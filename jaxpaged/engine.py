@@ -140,7 +140,7 @@ class LLMEngine:
         dtype = jnp.dtype(mc.dtype)
         ckpt = load_checkpoint(mc.model, dtype=dtype)
         self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path)
-        model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend),
+        model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
                             params=ckpt.params)
         del ckpt
         if mesh is not None:

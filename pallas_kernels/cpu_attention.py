@@ -21,6 +21,7 @@ import numpy as np
 from pallas_kernels.metadata import AttentionMetadata
 
 _TARGET = "jaxpaged_paged_attention_cpu"
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LIBRARY_STEM = "_paged_attention_cpu"
 
 
@@ -51,10 +52,12 @@ def cpu_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     if not native_kernel_available():
         raise RuntimeError("the native CPU attention kernel was not built (no C++ compiler at install time?); "
                            "reinstall jaxpaged with g++ available, or use attention_backend='xla'")
-    dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, dtype))
-    out = call(q.astype(dtype), kv_pages.astype(dtype), jnp.asarray(layer, jnp.int32).reshape(()),
+    if q.dtype != kv_pages.dtype or q.dtype not in NATIVE_DTYPES:
+        # Casting here would copy the whole page pool in every layer of every step.
+        raise ValueError(f"the native CPU attention kernel takes float32 or bfloat16 queries and pages of one dtype, "
+                         f"got {q.dtype} and {kv_pages.dtype}; use attention_backend='xla'")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, kv_pages, jnp.asarray(layer, jnp.int32).reshape(()),
                md.block_tables, md.seq_lens, md.query_start_loc,
                scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                soft_cap=np.float32(soft_cap or 0.0))
-    return out.astype(q.dtype)

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.xla_attention import xla_paged_attention
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
+def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
     """``auto`` becomes ``pallas`` on GPU/TPU, and on CPU the native kernel (``cpu``) when it was
-    built, else ``xla``; other names pass through."""
+    built and supports ``dtype`` (float32, bfloat16), else ``xla``; other names pass through."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return "pallas"
-    from pallas_kernels.cpu_attention import native_kernel_available
-    return "cpu" if native_kernel_available() else "xla"
+    from pallas_kernels.cpu_attention import NATIVE_DTYPES, native_kernel_available
+    supported = dtype is None or jnp.dtype(dtype) in NATIVE_DTYPES
+    return "cpu" if supported and native_kernel_available() else "xla"
 
 
 def gathers_pages(backend: str) -> bool:

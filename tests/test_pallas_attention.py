@@ -293,3 +293,15 @@ def test_copy_blocks_copies_every_layer_and_skips_negative_dst() -> None:
     expected[:, :, 5] = pages[:, :, 1]
     expected[:, :, 0] = pages[:, :, 2]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_auto_backend_on_cpu_falls_back_to_xla_for_float16() -> None:
+    """The native kernel takes float32/bfloat16 only: float16 models get the XLA backend, and a
+    direct call with float16 is refused rather than casting (copying) the page pool."""
+    from pallas_kernels.dispatch import resolve_backend
+
+    assert resolve_backend("auto", "cpu", jnp.float32) == "cpu"
+    assert resolve_backend("auto", "cpu", jnp.float16) == "xla"
+    b = build_batch(CASES["mixed-bs8-d64-gqa1"])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged_attention(b.q.astype(jnp.float16), b.kv.astype(jnp.float16), LAYER, b.md, backend="cpu", scale=0.1)
