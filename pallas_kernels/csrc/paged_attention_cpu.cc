@@ -41,12 +41,16 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-template <typename T>
-inline void LoadRow(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
+inline float Convert(uint16_t x, float*) { return Bf16ToF32(x); }
+inline uint16_t Convert(float x, uint16_t*) { return F32ToBf16(x); }
+
+// A row of `n` values from `Src` to `Dst` (float32 <-> bfloat16 bits, or a plain copy).
+template <typename Src, typename Dst>
+inline void ConvertRow(const Src* src, Dst* dst, int64_t n) {
+  if constexpr (std::is_same_v<Src, Dst>) {
+    std::memcpy(dst, src, n * sizeof(Src));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = Convert(src[i], static_cast<Dst*>(nullptr));
   }
 }
 
@@ -56,17 +60,8 @@ inline const float* CacheRow(const T* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
-    LoadRow(src, buf, n);
+    ConvertRow(src, buf, n);
     return buf;
-  }
-}
-
-template <typename T>
-inline void StoreRow(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
   }
 }
 
@@ -114,7 +109,7 @@ void RunItem(const Problem& p, const WorkItem& w, const T* q, const T* kv, T* ou
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t j = 0; j < g; ++j) {
       float* dst = qf + (t * g + j) * d;
-      LoadRow(q + ((w.t0 + t) * p.hq + w.head * g + j) * d, dst, d);
+      ConvertRow(q + ((w.t0 + t) * p.hq + w.head * g + j) * d, dst, d);
       for (int64_t i = 0; i < d; ++i) dst[i] *= p.scale;
     }
   const int32_t* table = p.block_tables + w.row * p.width;
@@ -171,7 +166,7 @@ void RunItem(const Problem& p, const WorkItem& w, const T* q, const T* kv, T* ou
       const int64_t i = t * g + j;
       const float inv = denom[i] > 0.f ? 1.f / denom[i] : 0.f;
       for (int64_t e = 0; e < d; ++e) acc[i * d + e] *= inv;
-      StoreRow(acc + i * d, out + ((w.t0 + t) * p.hq + w.head * g + j) * d, d);
+      ConvertRow(acc + i * d, out + ((w.t0 + t) * p.hq + w.head * g + j) * d, d);
     }
 }
 
