@@ -6,18 +6,19 @@ biases, tied head); each family's module (``llama.py``, ``opt.py``, ``gpt2.py``)
 HF config into one and maps its HF tensor names onto this param tree (``convert_hf``).
 
 The model sees a flat ragged batch of tokens and the global KV page array, never requests.
-Layers are stacked and scanned (``nn.scan``) so a step compiles once per shape, not once
-per layer; the page array ``[L, 2, num_blocks, block_size, Hkv, D]`` rides in the scan carry
-and each layer scatters its new K/V into it in place (``write_kv``), addressed by the layer
-index, then attends through ``paged_attention`` (every backend).
+Layers are unrolled, each with its own parameter arrays (``layers_0`` ... ``layers_{L-1}``): on
+CPU a scan over stacked weights made XLA copy every layer's weight slice each step, which cost
+half of a small-batch decode step. Each layer scatters its new K/V into the page array
+``[L, 2, num_blocks, block_size, Hkv, D]`` in place (``write_kv``), addressed by its (static)
+layer index, then attends through ``paged_attention`` (every backend).
 
 Param tree (the same names mean the same thing in every family; tensor-parallel rules key on them):
 ``embed_tokens.embedding [V, E]``, optional ``embed_positions.embedding`` (learned positions),
-``project_in`` / ``project_out`` (E != hidden), ``layers.{input_layernorm, post_attention_layernorm}``
-(``weight``, plus ``bias`` for LayerNorm), ``layers.qkv_proj`` (output columns [q heads | k heads |
-v heads]), ``layers.o_proj``, ``layers.gate_up_proj`` ([gate | up]) or ``layers.up_proj``,
-``layers.down_proj``, optional final ``norm``, and ``lm_head`` unless tied. Kernels are
-``[in, out]``; layer params have a leading layer axis.
+``project_in`` / ``project_out`` (E != hidden), and per layer ``i`` under ``layers_{i}``:
+``input_layernorm``, ``post_attention_layernorm`` (``weight``, plus ``bias`` for LayerNorm),
+``qkv_proj`` (output columns [q heads | k heads | v heads]), ``o_proj``, ``gate_up_proj``
+([gate | up]) or ``up_proj``, ``down_proj``; then an optional final ``norm``, and ``lm_head``
+unless tied. Kernels are ``[in, out]``.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def layer_name(i: int) -> str:
+    """The param-tree key (and module name) of layer ``i``."""
+    return f"layers_{i}"
+
+
 class Norm(nn.Module):
     """RMSNorm (``weight``) or LayerNorm (``weight``, ``bias``), statistics in float32."""
 
@@ -142,17 +148,18 @@ class Norm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One attention + MLP block; a scan step whose carry is ``(hidden, kv_pages, layer_index)``."""
+    """One attention + MLP block: ``(h, kv_pages) -> (h, kv_pages)`` for layer ``layer`` of the pages."""
 
     cfg: DecoderConfig
     dtype: Any
     attention_backend: str
+    layer: int = 0
     mesh: Any = None    # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
 
     @nn.compact
-    def __call__(self, carry, rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata):
-        h, kv_pages, layer = carry
-        c = self.cfg
+    def __call__(self, h: jax.Array, kv_pages: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        c, layer = self.cfg, self.layer
         T = h.shape[0]
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
         attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
@@ -185,7 +192,7 @@ class DecoderLayer(nn.Module):
         h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y)
         if not c.pre_norm:
             h = mlp_norm(h)
-        return (h, kv_pages, layer + 1), None
+        return h, kv_pages
 
 
 class DecoderForCausalLM(nn.Module):
@@ -212,10 +219,9 @@ class DecoderForCausalLM(nn.Module):
         else:
             h = h + nn.Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, dtype=self.dtype,
                              param_dtype=self.dtype, name="embed_positions")(positions + c.position_offset)
-        layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)
-        (h, kv_pages, _), _ = layers(c, self.dtype, self.attention_backend, self.mesh, name="layers")(
-            (h, kv_pages, jnp.int32(0)), rope, md)
+        for i in range(c.num_layers):
+            h, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh, name=layer_name(i))(
+                h, kv_pages, rope, md)
         h = h[logits_indices]
         if c.final_norm:
             h = Norm(c.norm, c.norm_eps, self.dtype, name="norm")(h)
@@ -305,8 +311,8 @@ def hf_layout(cfg: DecoderConfig, *, embed: str, layer: str, attn_norm: str, mlp
 
 def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any, layout: dict) -> dict:
     """Build the param tree from HF tensors following ``layout`` (our nested param names ->
-    ``Source``; everything under ``layers`` is stacked over layers), checking that every tensor is
-    there and every shape matches the config."""
+    ``Source``; the ``layers`` entry describes every layer: it becomes ``layers_0`` ...), checking
+    that every tensor is there and every shape matches the config."""
     missing: list[str] = []
 
     def get(name: str) -> np.ndarray:
@@ -321,15 +327,13 @@ def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any
             return np.zeros(0, np.float32)
         return np.concatenate([a.T if src.transpose else a for a in arrs], axis=-1)
 
-    def build(node, stacked: bool):
+    def build(node, layer: int | None):
         if isinstance(node, Source):
-            if not stacked:
-                return load(node, None)
-            arrs = [load(node, i) for i in range(cfg.num_layers)]
-            return np.zeros(0, np.float32) if missing else np.stack(arrs)
-        return {k: build(v, stacked or k == "layers") for k, v in node.items()}
+            return load(node, layer)
+        return {k: build(v, layer) for k, v in node.items()}
 
-    params = build(layout, False)
+    params = {k: build(v, None) for k, v in layout.items() if k != "layers"}
+    params.update({layer_name(i): build(layout["layers"], i) for i in range(cfg.num_layers)})
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
     expected = jax.eval_shape(lambda: init_params(cfg, dtype))
@@ -368,7 +372,7 @@ PARALLEL_STYLE = {
 
 def parallel_style(path: tuple[str, ...]) -> str:
     """``"column"``, ``"row"``, ``"vocab"`` or ``"replicated"`` for a param path such as
-    ``("layers", "qkv_proj", "kernel")``."""
+    ``("layers_0", "qkv_proj", "kernel")``."""
     return next((PARALLEL_STYLE[p] for p in path if p in PARALLEL_STYLE), "replicated")
 
 

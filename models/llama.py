@@ -77,7 +77,7 @@ def qwen2_config_from_hf(hf: Any) -> DecoderConfig:
 
 
 def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any) -> dict:
-    """Map HF parameter names to the (stacked, fused) param tree, checking every shape."""
+    """Map HF parameter names to the (per-layer, fused) param tree, checking every shape."""
     layout = hf_layout(cfg, embed="model.embed_tokens", layer="model.layers.{}.", attn_norm="input_layernorm",
                        mlp_norm="post_attention_layernorm", qkv=[f"self_attn.{n}_proj" for n in "qkv"],
                        o="self_attn.o_proj", up=["mlp.gate_proj", "mlp.up_proj"], down="mlp.down_proj",

@@ -199,8 +199,8 @@ def test_tensor_parallel_rules_cover_the_param_tree(name):
         if styles[path] == "column" and path[-1] == "kernel":
             assert sum(column_sections(cfg, path[-2])) == leaf.shape[-1], path
     assert styles[("embed_tokens", "embedding")] == "vocab"
-    assert styles[("layers", "qkv_proj", "kernel")] == "column"
-    assert styles[("layers", "o_proj", "kernel")] == "row"
-    assert styles[("layers", "down_proj", "kernel")] == "row"
-    assert styles[("layers", "input_layernorm", "weight")] == "replicated"
+    assert styles[("layers_0", "qkv_proj", "kernel")] == "column"
+    assert styles[("layers_0", "o_proj", "kernel")] == "row"
+    assert styles[("layers_0", "down_proj", "kernel")] == "row"
+    assert styles[("layers_0", "input_layernorm", "weight")] == "replicated"
 

@@ -56,7 +56,7 @@ def test_convert_writes_card_params_and_tokenizer(converted):
     card = json.loads((f32 / MODEL_CARD).read_text())
     assert card["architecture"] == "LlamaForCausalLM" and card["dtype"] == "float32"
     assert card["hf_config"]["hidden_size"] == 64 and card["jaxpaged_version"]
-    assert card["params"]["layers/qkv_proj/kernel"] == {"shape": [2, 64, 128], "dtype": "float32"}
+    assert card["params"]["layers_1/qkv_proj/kernel"] == {"shape": [64, 128], "dtype": "float32"}
     assert (f32 / "params").is_dir() and (f32 / "tokenizer.json").is_file()
     assert resolve_model_path(str(f32)) == f32
     assert cli(["convert", "--model", str(src), "--output", str(f32)]) == 2   # refuses a non-empty output
@@ -125,13 +125,13 @@ def _edit_card(d: Path, edit) -> None:
 def _wrong_stored_shape(d: Path) -> None:
     """Replace params/ by a save whose down_proj has another shape than card and config say."""
     ckpt = load_orbax(d)
-    ckpt.params["layers"]["down_proj"]["kernel"] = jnp.zeros((2, 100, 64), jnp.float32)
+    ckpt.params["layers_0"]["down_proj"]["kernel"] = jnp.zeros((100, 64), jnp.float32)
     save_orbax(d / "other", ckpt.params, ckpt.config)
     shutil.rmtree(d / "params")
     (d / "other" / "params").rename(d / "params")
 
 
-QKV_DATA = Path("params", "layers.qkv_proj.kernel", "0.0.0")   # the one chunk of that array
+QKV_DATA = Path("params", "layers_0.qkv_proj.kernel", "0.0")   # the one chunk of that array
 
 
 def _claim_compressed(d: Path) -> None:
@@ -145,16 +145,16 @@ CORRUPTIONS = {
     "card not JSON": (lambda d: (d / MODEL_CARD).write_text("{"), "not valid JSON"),
     "missing params dir": (lambda d: shutil.rmtree(d / "params"), "params/ is missing"),
     "missing orbax metadata": (lambda d: (d / "params" / "_METADATA").unlink(), "no array metadata"),
-    "missing data file": (lambda d: (d / QKV_DATA).unlink(), "data file layers.qkv_proj.kernel/0.0.0 is missing"),
+    "missing data file": (lambda d: (d / QKV_DATA).unlink(), "data file layers_0.qkv_proj.kernel/0.0 is missing"),
     "truncated data file": (lambda d: (d / QKV_DATA).write_bytes(b"\0" * 100),
-                            "data file layers.qkv_proj.kernel/0.0.0 is 100 bytes, expected 65536"),
-    "undecodable data file": (_claim_compressed, "restoring the params failed.*layers.qkv_proj.kernel/0.0.0"),
+                            "data file layers_0.qkv_proj.kernel/0.0 is 100 bytes, expected 32768"),
+    "undecodable data file": (_claim_compressed, "restoring the params failed.*layers_0.qkv_proj.kernel/0.0"),
     "card shape vs config": (lambda d: _edit_card(d, lambda c: c["params"]["norm/weight"].update(shape=[65])),
                              "'norm/weight' is float32\\[65\\] in the model card, but float32\\[64\\] in the Llama"),
-    "stored shape vs card": (_wrong_stored_shape, "'layers/down_proj/kernel' is float32\\[2, 100, 64\\] in the "
-                                                  "orbax files, but float32\\[2, 128, 64\\] in the model card"),
+    "stored shape vs card": (_wrong_stored_shape, "'layers_0/down_proj/kernel' is float32\\[100, 64\\] in the "
+                                                  "orbax files, but float32\\[128, 64\\] in the model card"),
     "config vs card shapes": (lambda d: _edit_card(d, lambda c: c["hf_config"].update(intermediate_size=96)),
-                              "'layers/.*' is .* in the model card, but .* model of its hf_config"),
+                              "'layers_0/.*' is .* in the model card, but .* model of its hf_config"),
     "unsupported architecture": (lambda d: _edit_card(d, lambda c: c.update(architecture="FooForCausalLM")),
                                  "'FooForCausalLM', which this jaxpaged does not support"),
 }
@@ -204,7 +204,7 @@ SHARDED = textwrap.dedent("""
         assert all(sh.data.shape == want for sh in a.addressable_shards), (k, want)
     print(sharded["lm_head"]["kernel"].addressable_shards[0].data.shape,
           sharded["embed_tokens"]["embedding"].addressable_shards[0].data.shape,
-          sharded["layers"]["qkv_proj"]["kernel"].addressable_shards[0].data.shape)
+          sharded["layers_0"]["qkv_proj"]["kernel"].addressable_shards[0].data.shape)
 """)
 
 
@@ -214,4 +214,4 @@ def test_sharded_restore_on_4_devices(converted):
     proc = subprocess.run([sys.executable, "-c", SHARDED, str(converted[1])], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-2] == "(64, 96) (96, 64) (2, 64, 32)"
+    assert proc.stdout.split("\n")[-2] == "(64, 96) (96, 64) (64, 32)"

@@ -4,11 +4,11 @@
 
     DIR/jaxpaged_model.json   model card: architecture, HF config, dtype, jaxpaged version,
                               every param's shape and dtype (written last: no card = incomplete)
-    DIR/params/               orbax-checkpoint of the param tree (already stacked, fused, cast)
+    DIR/params/               orbax-checkpoint of the param tree (already fused, cast)
     DIR/tokenizer*.json ...   an HF tokenizer directory's files
 
 Loading skips everything the other formats do on the host (dequantizing, renaming,
-transposing, stacking, casting): orbax reads each array straight into its target sharding.
+transposing, casting): orbax reads each array straight into its target sharding.
 Before orbax reads any data the card is checked against the model of its own config and
 against orbax's metadata, and every data file's size against its array's; orbax's own errors
 are translated too: a corrupt or partial checkpoint fails with a ValueError saying what is wrong.
@@ -47,7 +47,7 @@ _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json"
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-    """``{"layers": {"qkv_proj": {"kernel": x}}}`` -> ``{"layers/qkv_proj/kernel": x}``."""
+    """``{"layers_0": {"qkv_proj": {"kernel": x}}}`` -> ``{"layers_0/qkv_proj/kernel": x}``."""
     return traverse_util.flatten_dict(tree, sep="/")
 
 
