@@ -1,9 +1,10 @@
-"""Builds the optional native CPU attention kernel (pallas_kernels/csrc); metadata lives in pyproject.toml.
+"""Builds the optional native CPU kernels (pallas_kernels/csrc: paged attention, dense matmul);
+metadata lives in pyproject.toml.
 
-The kernel is a plain shared library loaded with ctypes and registered as an XLA FFI target, so
+Each kernel is a plain shared library loaded with ctypes and registered as an XLA FFI target, so
 it needs only XLA's FFI headers (shipped in jaxlib) at build time. It is compiled for the
 installing machine's CPU (-march=native): install on the machine that runs it. If the build
-fails (no C++ compiler) the install still succeeds and the engine uses XLA attention.
+fails (no C++ compiler) the install still succeeds and XLA's own attention and dot are used.
 """
 
 import os
@@ -25,17 +26,19 @@ def _ffi_include_dir() -> str:
     return os.path.join(os.path.dirname(jaxlib.__file__), "include")
 
 
+def _native_extension(name: str) -> Extension:
+    return Extension(
+        f"pallas_kernels.{name}",
+        sources=[f"pallas_kernels/csrc/{name.lstrip('_')}.cc"],
+        include_dirs=[_ffi_include_dir()],
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-Wno-attributes",
+                            "-Wno-return-type"],
+        optional=True,
+    )
+
+
 setup(
-    ext_modules=[
-        Extension(
-            "pallas_kernels._paged_attention_cpu",
-            sources=["pallas_kernels/csrc/paged_attention_cpu.cc"],
-            include_dirs=[_ffi_include_dir()],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-Wno-attributes",
-                                "-Wno-return-type"],
-            optional=True,
-        )
-    ],
+    ext_modules=[_native_extension("_paged_attention_cpu"), _native_extension("_matmul_cpu")],
     cmdclass={"build_ext": BuildSharedLibrary},
 )

@@ -1,0 +1,435 @@
+// Dense matmul for the CPU, called from XLA through the FFI: out[M, N] = x[M, K] @ w[K, N].
+//
+// The weight is packed once on the host (pallas_kernels/cpu_matmul.py, pack_weight) into
+// panels of kNR = 32 columns, each panel contiguous so a micro-kernel streams it front to back:
+//   float32:  panel p = K rows of 32 floats, row k = w[k, 32p : 32p + 32].
+//   bfloat16: panel p = ceil(K/2) pair rows; pair row q = 32 (w[2q, c], w[2q+1, c]) pairs,
+//             column c = 32p .. 32p+31 (the operand layout of vdpbf16ps); for odd K the panel
+//             ends with one plain row w[K-1, 32p : 32p + 32]. Either way a panel holds K * 32
+//             elements. Columns past N are zero.
+// Rows of x are packed per call (into a per-thread buffer that is reused across calls) into
+// blocks of at most kMR rows, k-major: float32 a[k][r]; bfloat16 one 32-bit word per pair,
+// a[q][r] = (x[r, 2q], x[r, 2q+1]), the odd tail padded with a zero.
+//
+// A micro-kernel keeps an R x 32 tile of out in 2R vector registers (R <= kMR = 12) and walks K
+// once: per k it loads one panel row (two vectors) and broadcasts R values of x. The work is
+// (block of rows) x (chunk of panels) items spread over XLA's intra-op pool: with few rows there
+// is one row block and each weight panel is streamed from memory exactly once, for all rows; with
+// many rows the row blocks are sized to stay in L2 and the panel stays in L2 across the
+// micro-kernel calls of one row block. Accumulation is in float32; bfloat16 results are rounded to
+// nearest even.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kNR = 32;                 // columns per weight panel
+constexpr int kMR = 12;                     // most rows per micro-kernel call
+constexpr int64_t kRowBlockBytes = 448 << 10;  // packed rows of x per row block (kept in L2)
+constexpr int64_t kMaxPanelsPerItem = 16;
+constexpr int64_t kPrefetchRows = 8;        // panel rows (or pair rows) prefetched ahead
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels: out[R, cols] = a (packed rows) @ b (one panel), cols <= kNR, row stride ldc.
+
+#if defined(__AVX512F__)
+
+inline __mmask16 ColumnMask(int64_t cols, int half) {
+  const int64_t c = std::clamp<int64_t>(cols - 16 * half, 0, 16);
+  return static_cast<__mmask16>((1u << c) - 1u);
+}
+
+template <int R>
+inline void StoreTile(__m512 (&acc)[R][2], float* c, int64_t ldc, int64_t cols) {
+  if (cols == kNR) {
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+      _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+    }
+  } else {
+    const __mmask16 m0 = ColumnMask(cols, 0), m1 = ColumnMask(cols, 1);
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+    }
+  }
+}
+
+inline __m256i RoundToBf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+template <int R>
+inline void StoreTile(__m512 (&acc)[R][2], uint16_t* c, int64_t ldc, int64_t cols) {
+  if (cols == kNR) {
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), RoundToBf16(acc[r][0]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + 16), RoundToBf16(acc[r][1]));
+    }
+  } else {
+    const __mmask16 m0 = ColumnMask(cols, 0), m1 = ColumnMask(cols, 1);
+    for (int r = 0; r < R; ++r) {
+      _mm256_mask_storeu_epi16(c + r * ldc, m0, RoundToBf16(acc[r][0]));
+      _mm256_mask_storeu_epi16(c + r * ldc + 16, m1, RoundToBf16(acc[r][1]));
+    }
+  }
+}
+
+template <int R>
+void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t i = 0; i < k; ++i) {
+    const float* bi = b + i * kNR;
+    _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
+    const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
+    const float* ai = a + i * R;
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ai[r]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+  StoreTile<R>(acc, c, ldc, cols);
+}
+
+// One pair step: acc[r] += a.lo * b.lo + a.hi * b.hi per 32-bit lane (lane = one column).
+template <int R>
+inline void PairStep(__m512 (&acc)[R][2], const uint32_t* ai, __m512i b0, __m512i b1) {
+#if defined(__AVX512BF16__)
+  for (int r = 0; r < R; ++r) {
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ai[r]));
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, (__m512bh)b0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, (__m512bh)b1);
+  }
+#else
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512 b0l = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16));
+  const __m512 b0h = _mm512_castsi512_ps(_mm512_and_si512(b0, hi_mask));
+  const __m512 b1l = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16));
+  const __m512 b1h = _mm512_castsi512_ps(_mm512_and_si512(b1, hi_mask));
+  for (int r = 0; r < R; ++r) {
+    const __m512 al = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(ai[r])));
+    const __m512 ah = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(ai[r] >> 16)));
+    acc[r][0] = _mm512_fmadd_ps(ah, b0h, _mm512_fmadd_ps(al, b0l, acc[r][0]));
+    acc[r][1] = _mm512_fmadd_ps(ah, b1h, _mm512_fmadd_ps(al, b1l, acc[r][1]));
+  }
+#endif
+}
+
+template <int R>
+void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+#pragma GCC unroll 2
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint16_t* bq = b + q * 2 * kNR;
+    _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
+    PairStep<R>(acc, a + q * R, _mm512_loadu_si512(bq), _mm512_loadu_si512(bq + 32));
+  }
+  if (k % 2) {  // the plain last row: each value becomes the pair (w, 0)
+    const uint16_t* bq = b + pairs * 2 * kNR;
+    const __m512i b0 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq)));
+    const __m512i b1 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq + 16)));
+    PairStep<R>(acc, a + pairs * R, b0, b1);
+  }
+  StoreTile<R>(acc, c, ldc, cols);
+}
+
+#else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
+
+template <int R>
+void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+  float acc[R][kNR] = {};
+  for (int64_t i = 0; i < k; ++i)
+    for (int r = 0; r < R; ++r) {
+      const float av = a[i * R + r];
+#pragma omp simd
+      for (int64_t j = 0; j < kNR; ++j) acc[r][j] += av * b[i * kNR + j];
+    }
+  for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, acc[r], cols * sizeof(float));
+}
+
+template <int R>
+void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc, int64_t cols) {
+  float acc[R][kNR] = {};
+  float lo[kNR], hi[kNR];
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint16_t* bq = b + q * 2 * kNR;
+    for (int64_t j = 0; j < kNR; ++j) {
+      const bool plain = 2 * q + 1 == k;  // odd K: the last row is stored unpaired
+      lo[j] = Bf16ToF32(plain ? bq[j] : bq[2 * j]);
+      hi[j] = plain ? 0.f : Bf16ToF32(bq[2 * j + 1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float al = Bf16ToF32(static_cast<uint16_t>(a[q * R + r]));
+      const float ah = Bf16ToF32(static_cast<uint16_t>(a[q * R + r] >> 16));
+#pragma omp simd
+      for (int64_t j = 0; j < kNR; ++j) acc[r][j] += al * lo[j] + ah * hi[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = F32ToBf16(acc[r][j]);
+}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Per-dtype glue: the packed element of x, its packing, and the micro-kernel table.
+
+template <typename T>
+struct Kind;
+
+template <>
+struct Kind<float> {
+  using A = float;
+  using Micro = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+  static int64_t Steps(int64_t k) { return k; }  // packed x elements per row
+  // rows x k of x (row stride k) -> a[k][rows]
+  static void Pack(const float* x, int64_t rows, int64_t k, float* a) {
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t r = 0; r < rows; ++r) a[i * rows + r] = x[r * k + i];
+  }
+  template <int R>
+  static constexpr Micro kernel = &MicroF32<R>;
+};
+
+template <>
+struct Kind<uint16_t> {
+  using A = uint32_t;
+  using Micro = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+  static int64_t Steps(int64_t k) { return (k + 1) / 2; }
+  // rows x k of x -> a[q][rows] pair words; an odd K's last word is (x, 0)
+  static void Pack(const uint16_t* x, int64_t rows, int64_t k, uint32_t* a) {
+    const int64_t pairs = k / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* xr = x + r * k;
+      for (int64_t q = 0; q < pairs; ++q) {
+        uint32_t w;
+        std::memcpy(&w, xr + 2 * q, sizeof(w));
+        a[q * rows + r] = w;
+      }
+      if (k % 2) a[pairs * rows + r] = xr[k - 1];
+    }
+  }
+  template <int R>
+  static constexpr Micro kernel = &MicroBf16<R>;
+};
+
+template <typename T, size_t... I>
+constexpr auto MicroTable(std::index_sequence<I...>) {
+  using Micro = typename Kind<T>::Micro;
+  return std::array<Micro, sizeof...(I)>{Kind<T>::template kernel<static_cast<int>(I) + 1>...};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work split and execution.
+
+struct Plan {
+  int64_t m, k, n, panels;
+  int64_t block_rows;        // rows per row block (the last one may be shorter)
+  int64_t row_blocks;
+  int64_t panels_per_item;
+  int64_t chunks;            // panel chunks per row block
+  int64_t items() const { return row_blocks * chunks; }
+};
+
+Plan MakePlan(int64_t m, int64_t k, int64_t n, int64_t elem_bytes, int64_t workers) {
+  Plan p{m, k, n, (n + kNR - 1) / kNR, m, 1, 1, 1};
+  const int64_t fit = std::max<int64_t>(kMR, kRowBlockBytes / std::max<int64_t>(1, k * elem_bytes) / kMR * kMR);
+  p.row_blocks = (m + fit - 1) / fit;
+  p.block_rows = (m + p.row_blocks - 1) / p.row_blocks;
+  // At least ~4 items per worker (others share these cores: late or slow workers get less),
+  // at most kMaxPanelsPerItem panels per item.
+  const int64_t want = std::max<int64_t>(1, (4 * workers + p.row_blocks - 1) / p.row_blocks);
+  p.panels_per_item = std::clamp<int64_t>(p.panels / want, 1, kMaxPanelsPerItem);
+  p.chunks = (p.panels + p.panels_per_item - 1) / p.panels_per_item;
+  return p;
+}
+
+// A 64-byte aligned buffer that only grows; one per thread, reused across calls.
+struct Scratch {
+  std::unique_ptr<char, decltype(&std::free)> data{nullptr, &std::free};
+  size_t size = 0;
+  uint64_t call = 0;         // which call and row block the buffer holds
+  int64_t row_block = -1;
+  void* Get(size_t bytes) {
+    if (bytes > size) {
+      size = (bytes + 63) / 64 * 64;
+      data.reset(static_cast<char*>(std::aligned_alloc(64, size)));
+      call = 0;
+    }
+    return data.get();
+  }
+};
+
+std::atomic<uint64_t> g_calls{0};
+
+template <typename T>
+struct Job {
+  Plan plan;
+  const T* x;
+  const T* w;
+  T* out;
+  uint64_t call;
+};
+
+// Splits `rows` into ceil(rows / kMR) near-equal micro-kernel row counts.
+template <typename F>
+inline void ForEachRowGroup(int64_t rows, F&& f) {
+  const int64_t groups = (rows + kMR - 1) / kMR;
+  int64_t r0 = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r = rows / groups + (g < rows % groups ? 1 : 0);
+    f(r0, r);
+    r0 += r;
+  }
+}
+
+template <typename T>
+void RunItem(const Job<T>& job, int64_t item, Scratch& scratch) {
+  using A = typename Kind<T>::A;
+  static constexpr auto kTable = MicroTable<T>(std::make_index_sequence<kMR>());
+  const Plan& p = job.plan;
+  const int64_t rb = item / p.chunks, chunk = item % p.chunks;
+  const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
+  const int64_t steps = Kind<T>::Steps(p.k);
+  A* a = static_cast<A*>(scratch.Get(p.block_rows * steps * sizeof(A)));
+  if (scratch.call != job.call || scratch.row_block != rb) {
+    ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
+      Kind<T>::Pack(job.x + (row0 + r0) * p.k, r, p.k, a + r0 * steps);
+    });
+    scratch.call = job.call;
+    scratch.row_block = rb;
+  }
+  const int64_t p0 = chunk * p.panels_per_item, p1 = std::min(p.panels, p0 + p.panels_per_item);
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    const T* b = job.w + panel * p.k * kNR;
+    const int64_t cols = std::min(kNR, p.n - panel * kNR);
+    ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
+      kTable[r - 1](a + r0 * steps, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n, cols);
+    });
+  }
+}
+
+// Items are claimed from an atomic counter by the caller and by pool tasks; the caller returns
+// once every item is done. Tasks that start late find nothing left and only touch `state`.
+struct SharedState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+thread_local Scratch t_scratch;
+
+template <typename T, typename Pool>
+void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
+  const Job<T> job{plan, x, w, out, g_calls.fetch_add(1) + 1};
+  const int64_t n = plan.items();
+  auto state = std::make_shared<SharedState>();
+  auto work = [state, &job, n]() {
+    Scratch& scratch = t_scratch;
+    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
+      RunItem(job, i, scratch);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([state, work, n]() {
+      if (state->next.load() < n) work();
+    });
+  }
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+template <typename T, typename Pool>
+void Gemm(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::memset(out, 0, m * n * sizeof(T));
+    return;
+  }
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  RunGemm(MakePlan(m, k, n, sizeof(T), workers), x, w, out, pool);
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
+  const auto xd = x.dimensions();
+  const auto wd = packed.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kNR)
+    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], packed[P,K,32], out[M,N]");
+  const int64_t m = xd[0], k = xd[1], n = od[1];
+  if (wd[1] != k || od[0] != m || (n + kNR - 1) / kNR != wd[0])
+    return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out shapes do not agree");
+  if (x.element_type() != packed.element_type() || out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out must share a dtype");
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      Gemm(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(packed.untyped_data()),
+           static_cast<float*>(out->untyped_data()), m, k, n, pool);
+      break;
+    case ffi::DataType::BF16:
+      Gemm(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(packed.untyped_data()),
+           static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

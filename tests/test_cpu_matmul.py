@@ -1,0 +1,142 @@
+"""The native CPU matmul (pallas_kernels/cpu_matmul.py) against numpy references.
+
+float32 is checked against float64 numpy with the worst-case bound of a K-term float32 dot
+product; bfloat16 against float32 numpy on the bfloat16-rounded inputs, allowing float32
+accumulation in another order plus the final rounding to bfloat16.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_weight
+
+pytestmark = pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+BF16_U = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits)
+
+# (M, K, N): M = 1, M around the 12-row micro-kernel tile, N not a multiple of the 32-column panel,
+# odd K (bfloat16 pairs), several row blocks, and the model's shapes.
+SHAPES = [
+    (1, 1, 1), (1, 5, 7), (3, 1, 33), (2, 2, 32), (1, 576, 960), (7, 577, 100), (12, 64, 64), (13, 130, 65),
+    (25, 31, 95), (37, 575, 31), (64, 576, 960), (300, 1536, 200), (129, 577, 161),
+]
+MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+
+
+def _data(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+
+def _native(x, w, dtype):
+    return np.asarray(matmul(jnp.asarray(x, dtype), jnp.asarray(pack_weight(w, dtype)), w.shape[1]), np.float64)
+
+
+def _check_f32(got, x, w):
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64
+    bound = (x.shape[1] + 2) * U32 * (np.abs(x64) @ np.abs(w64)) + 1e-30
+    assert got.shape == ref.shape
+    np.testing.assert_array_less(np.abs(got - ref), bound)
+
+
+def _check_bf16(got, x, w):
+    xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    wb = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    ref = (xb @ wb).astype(np.float64)  # float32 accumulation of the bfloat16-rounded inputs
+    # Two float32 sums in different orders, then the output rounded to bfloat16.
+    accumulated = 2 * (x.shape[1] + 2) * U32 * (np.abs(xb.astype(np.float64)) @ np.abs(wb.astype(np.float64)))
+    bound = BF16_U * (np.abs(ref) + accumulated) + accumulated + 1e-30
+    assert got.shape == ref.shape
+    np.testing.assert_array_less(np.abs(got - ref), bound)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_float32(m, k, n):
+    x, w = _data(m, k, n)
+    _check_f32(_native(x, w, jnp.float32), x, w)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_bfloat16(m, k, n):
+    x, w = _data(m, k, n, seed=1)
+    _check_bf16(_native(x, w, jnp.bfloat16), x, w)
+
+
+@pytest.mark.parametrize("k,n", MODEL_SHAPES)
+@pytest.mark.parametrize("m", [1, 19, 64])
+def test_model_shapes(m, k, n):
+    x, w = _data(m, k, n, seed=m)
+    _check_f32(_native(x, w, jnp.float32), x, w)
+    _check_bf16(_native(x, w, jnp.bfloat16), x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_under_jit_with_several_m(dtype):
+    k, n = 577, 70
+    _, w = _data(1, k, n)
+    packed = jnp.asarray(pack_weight(w, dtype))
+    step = jax.jit(lambda x, p: matmul(x, p, n) * 2)
+    check = _check_f32 if dtype == jnp.float32 else _check_bf16
+    for m in (1, 2, 5, 12, 13, 24, 31, 100, 1):
+        x, _ = _data(m, k, n, seed=m)
+        out = step(jnp.asarray(x, dtype), packed)
+        assert out.dtype == dtype and out.shape == (m, n)
+        check(np.asarray(out, np.float64) / 2, x, w)
+
+
+def test_large_values_and_zero_rows():
+    """Rows of zeros give zeros; values near float32's range do not overflow in the packing."""
+    x, w = _data(20, 33, 45)
+    x[3] = 0.0
+    x[5] *= 1e30
+    got = _native(x, w, jnp.float32)
+    assert np.all(got[3] == 0.0)
+    _check_f32(got, x, w)
+
+
+@pytest.mark.parametrize("k", [6, 7])
+def test_packed_layout_is_as_documented(k):
+    n = 40
+    # (2c + 1) * 2**r: distinct for every (r, c) and exact in bfloat16
+    w = ((2 * np.arange(n) + 1)[None, :] * 2.0 ** np.arange(k)[:, None]).astype(np.float32)
+    f32 = pack_weight(w, jnp.float32)
+    bf16 = pack_weight(w, jnp.bfloat16)
+    assert f32.shape == bf16.shape == (2, k, 32)
+    assert f32.dtype == np.float32 and bf16.dtype == jnp.bfloat16
+    for p in range(2):
+        for j in range(32):
+            col = 32 * p + j
+            for r in range(k):
+                assert f32[p, r, j] == (w[r, col] if col < n else 0)
+            for q in range(k // 2):
+                for h in range(2):
+                    i = j  # position in the row of 32 values
+                    src_col = 32 * p + 16 * h + i // 2
+                    expect = w[2 * q + i % 2, src_col] if src_col < n else 0
+                    assert float(bf16[p, 2 * q + h, i]) == expect
+            if k % 2:
+                assert float(bf16[p, k - 1, j]) == (w[k - 1, col] if col < n else 0)
+
+
+def test_errors():
+    x, w = _data(4, 8, 10)
+    packed = jnp.asarray(pack_weight(w, jnp.float32))
+    with pytest.raises(ValueError, match="bfloat16 but the packed weight is float32"):
+        matmul(jnp.asarray(x, jnp.bfloat16), packed, 10)
+    with pytest.raises(ValueError, match="K does not match"):
+        matmul(jnp.asarray(x[:, :7]), packed, 10)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        matmul(jnp.asarray(x, jnp.float16), packed.astype(jnp.float16), 10)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        pack_weight(w, np.float16)
+    with pytest.raises(ValueError, match="n=40 does not match"):
+        matmul(jnp.asarray(x), packed, 40)
+    with pytest.raises(ValueError, match="2-D"):
+        pack_weight(w[None], jnp.float32)
+    with pytest.raises(ValueError, match=r"expected x\[M, K\]"):
+        matmul(jnp.asarray(x)[None], packed, 10)
