@@ -3,21 +3,19 @@
 // The weight is packed once on the host (pallas_kernels/cpu_matmul.py, pack_weight) into
 // panels of kNR = 32 columns, each panel contiguous so a micro-kernel streams it front to back:
 //   float32:  panel p = K rows of 32 floats, row k = w[k, 32p : 32p + 32].
-//   bfloat16: panel p = ceil(K/2) pair rows; pair row q = 32 (w[2q, c], w[2q+1, c]) pairs,
-//             column c = 32p .. 32p+31 (the operand layout of vdpbf16ps); for odd K the panel
-//             ends with one plain row w[K-1, 32p : 32p + 32]. Either way a panel holds K * 32
+//   bfloat16: panel p = K/2 pair rows; pair row q = 32 (w[2q, c], w[2q+1, c]) pairs for
+//             c = 32p .. 32p+31 (the operand layout of vdpbf16ps); for odd K the panel ends
+//             with the plain row w[K-1, 32p : 32p + 32]. Either way a panel holds K * 32
 //             elements. Columns past N are zero.
-// Rows of x are packed per call (into a per-thread buffer that is reused across calls) into
-// blocks of at most kMR rows, k-major: float32 a[k][r]; bfloat16 one 32-bit word per pair,
-// a[q][r] = (x[r, 2q], x[r, 2q+1]), the odd tail padded with a zero.
+// x is read in place (row-major): a bfloat16 pair (x[r, 2q], x[r, 2q+1]) is one 32-bit word.
 //
 // A micro-kernel keeps an R x 32 tile of out in 2R vector registers (R <= kMR = 12) and walks K
-// once: per k it loads one panel row (two vectors) and broadcasts R values of x. The work is
-// (block of rows) x (chunk of panels) items spread over XLA's intra-op pool: with few rows there
-// is one row block and each weight panel is streamed from memory exactly once, for all rows; with
-// many rows the row blocks are sized to stay in L2 and the panel stays in L2 across the
-// micro-kernel calls of one row block. Accumulation is in float32; bfloat16 results are rounded to
-// nearest even.
+// once: per k (per pair for bfloat16) it loads one panel row (two vectors) and broadcasts one
+// value (pair) from each of its R rows of x. The work is (block of rows) x (chunk of panels)
+// items spread over XLA's intra-op pool: with few rows there is one row block and each weight
+// panel is streamed from memory exactly once, for all rows; with many rows the row blocks are
+// sized to stay in L2, and a panel stays in L2 across the micro-kernel calls of one row block.
+// Accumulation is in float32; bfloat16 results are rounded to nearest even.
 
 #include <algorithm>
 #include <array>
@@ -27,6 +25,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -41,9 +40,15 @@ namespace {
 
 constexpr int64_t kNR = 32;                 // columns per weight panel
 constexpr int kMR = 12;                     // most rows per micro-kernel call
-constexpr int64_t kRowBlockBytes = 448 << 10;  // packed rows of x per row block (kept in L2)
+#ifndef ROWBLOCK
+#define ROWBLOCK (448 << 10)
+#endif
+#ifndef PFROWS
+#define PFROWS 8
+#endif
+constexpr int64_t kRowBlockBytes = ROWBLOCK;  // rows of x per row block (kept in L2)
 constexpr int64_t kMaxPanelsPerItem = 16;
-constexpr int64_t kPrefetchRows = 8;        // panel rows (or pair rows) prefetched ahead
+constexpr int64_t kPrefetchRows = PFROWS;     // panel rows (pair rows) prefetched ahead
 
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -116,7 +121,7 @@ inline void StoreTile(__m512 (&acc)[R][2], uint16_t* c, int64_t ldc, int64_t col
 }
 
 template <int R>
-void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 2
@@ -125,9 +130,8 @@ void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, 
     _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
     const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
-    const float* ai = a + i * R;
     for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(ai[r]);
+      const __m512 av = _mm512_set1_ps(a[r * lda + i]);
       acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
     }
@@ -135,24 +139,33 @@ void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, 
   StoreTile<R>(acc, c, ldc, cols);
 }
 
-// One pair step: acc[r] += a.lo * b.lo + a.hi * b.hi per 32-bit lane (lane = one column).
-template <int R>
-inline void PairStep(__m512 (&acc)[R][2], const uint32_t* ai, __m512i b0, __m512i b1) {
+// x's 32-bit word at (row r, pair q) of rows with stride lda (bfloat16 elements).
+inline uint32_t PairWord(const uint16_t* a, int64_t lda, int r, int64_t q) {
+  uint32_t w;
+  std::memcpy(&w, a + r * lda + 2 * q, sizeof(w));
+  return w;
+}
+
+// One pair step: acc[r] += x.lo * w.lo + x.hi * w.hi per 32-bit lane (lane = one column), for the
+// R pair words word(r).
+template <int R, typename Word>
+inline void PairStep(__m512 (&acc)[R][2], Word&& word, __m512i b0, __m512i b1) {
 #if defined(__AVX512BF16__)
   for (int r = 0; r < R; ++r) {
-    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ai[r]));
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(word(r)));
     acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, (__m512bh)b0);
     acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, (__m512bh)b1);
   }
-#else
+#else  // AVX-512F without BF16: split each pair into two float32 vectors
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512 b0l = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16));
   const __m512 b0h = _mm512_castsi512_ps(_mm512_and_si512(b0, hi_mask));
   const __m512 b1l = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16));
   const __m512 b1h = _mm512_castsi512_ps(_mm512_and_si512(b1, hi_mask));
   for (int r = 0; r < R; ++r) {
-    const __m512 al = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(ai[r])));
-    const __m512 ah = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(ai[r] >> 16)));
+    const uint32_t w = word(r);
+    const __m512 al = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(w)));
+    const __m512 ah = _mm512_set1_ps(Bf16ToF32(static_cast<uint16_t>(w >> 16)));
     acc[r][0] = _mm512_fmadd_ps(ah, b0h, _mm512_fmadd_ps(al, b0l, acc[r][0]));
     acc[r][1] = _mm512_fmadd_ps(ah, b1h, _mm512_fmadd_ps(al, b1l, acc[r][1]));
   }
@@ -160,7 +173,8 @@ inline void PairStep(__m512 (&acc)[R][2], const uint32_t* ai, __m512i b0, __m512
 }
 
 template <int R>
-void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc, int64_t cols) {
+void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
+               int64_t cols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
@@ -169,13 +183,14 @@ void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int
     const uint16_t* bq = b + q * 2 * kNR;
     _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
-    PairStep<R>(acc, a + q * R, _mm512_loadu_si512(bq), _mm512_loadu_si512(bq + 32));
+    PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, _mm512_loadu_si512(bq),
+                _mm512_loadu_si512(bq + 32));
   }
-  if (k % 2) {  // the plain last row: each value becomes the pair (w, 0)
-    const uint16_t* bq = b + pairs * 2 * kNR;
-    const __m512i b0 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq)));
-    const __m512i b1 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq + 16)));
-    PairStep<R>(acc, a + pairs * R, b0, b1);
+  if (k % 2) {  // the plain last row: each weight becomes the pair (w, 0), each x (x, 0)
+    const auto* bq = reinterpret_cast<const __m256i*>(b + pairs * 2 * kNR);
+    const __m512i b0 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(bq));
+    const __m512i b1 = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(bq + 1));
+    PairStep<R>(acc, [&](int r) { return static_cast<uint32_t>(a[r * lda + k - 1]); }, b0, b1);
   }
   StoreTile<R>(acc, c, ldc, cols);
 }
@@ -183,11 +198,11 @@ void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
 template <int R>
-void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
   float acc[R][kNR] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r) {
-      const float av = a[i * R + r];
+      const float av = a[r * lda + i];
 #pragma omp simd
       for (int64_t j = 0; j < kNR; ++j) acc[r][j] += av * b[i * kNR + j];
     }
@@ -195,20 +210,20 @@ void MicroF32(const float* a, const float* b, int64_t k, float* c, int64_t ldc, 
 }
 
 template <int R>
-void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc, int64_t cols) {
+void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
+               int64_t cols) {
   float acc[R][kNR] = {};
   float lo[kNR], hi[kNR];
-  const int64_t pairs = (k + 1) / 2;
-  for (int64_t q = 0; q < pairs; ++q) {
+  for (int64_t q = 0; q < (k + 1) / 2; ++q) {
     const uint16_t* bq = b + q * 2 * kNR;
+    const bool plain = 2 * q + 1 == k;  // odd K: the last row is stored unpaired
     for (int64_t j = 0; j < kNR; ++j) {
-      const bool plain = 2 * q + 1 == k;  // odd K: the last row is stored unpaired
       lo[j] = Bf16ToF32(plain ? bq[j] : bq[2 * j]);
       hi[j] = plain ? 0.f : Bf16ToF32(bq[2 * j + 1]);
     }
     for (int r = 0; r < R; ++r) {
-      const float al = Bf16ToF32(static_cast<uint16_t>(a[q * R + r]));
-      const float ah = Bf16ToF32(static_cast<uint16_t>(a[q * R + r] >> 16));
+      const float al = Bf16ToF32(a[r * lda + 2 * q]);
+      const float ah = plain ? 0.f : Bf16ToF32(a[r * lda + 2 * q + 1]);
 #pragma omp simd
       for (int64_t j = 0; j < kNR; ++j) acc[r][j] += al * lo[j] + ah * hi[j];
     }
@@ -219,52 +234,22 @@ void MicroBf16(const uint32_t* a, const uint16_t* b, int64_t k, uint16_t* c, int
 
 #endif
 
-// ---------------------------------------------------------------------------------------------
-// Per-dtype glue: the packed element of x, its packing, and the micro-kernel table.
-
+// The micro-kernels of one dtype by row count: MicroTable<T>(...)[R - 1].
 template <typename T>
-struct Kind;
+using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int64_t);
 
-template <>
-struct Kind<float> {
-  using A = float;
-  using Micro = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t);
-  static int64_t Steps(int64_t k) { return k; }  // packed x elements per row
-  // rows x k of x (row stride k) -> a[k][rows]
-  static void Pack(const float* x, int64_t rows, int64_t k, float* a) {
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t r = 0; r < rows; ++r) a[i * rows + r] = x[r * k + i];
+template <typename T, int R>
+constexpr MicroFn<T> MicroFor() {
+  if constexpr (std::is_same_v<T, float>) {
+    return &MicroF32<R>;
+  } else {
+    return &MicroBf16<R>;
   }
-  template <int R>
-  static constexpr Micro kernel = &MicroF32<R>;
-};
-
-template <>
-struct Kind<uint16_t> {
-  using A = uint32_t;
-  using Micro = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
-  static int64_t Steps(int64_t k) { return (k + 1) / 2; }
-  // rows x k of x -> a[q][rows] pair words; an odd K's last word is (x, 0)
-  static void Pack(const uint16_t* x, int64_t rows, int64_t k, uint32_t* a) {
-    const int64_t pairs = k / 2;
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* xr = x + r * k;
-      for (int64_t q = 0; q < pairs; ++q) {
-        uint32_t w;
-        std::memcpy(&w, xr + 2 * q, sizeof(w));
-        a[q * rows + r] = w;
-      }
-      if (k % 2) a[pairs * rows + r] = xr[k - 1];
-    }
-  }
-  template <int R>
-  static constexpr Micro kernel = &MicroBf16<R>;
-};
+}
 
 template <typename T, size_t... I>
-constexpr auto MicroTable(std::index_sequence<I...>) {
-  using Micro = typename Kind<T>::Micro;
-  return std::array<Micro, sizeof...(I)>{Kind<T>::template kernel<static_cast<int>(I) + 1>...};
+constexpr std::array<MicroFn<T>, sizeof...(I)> MicroTable(std::index_sequence<I...>) {
+  return {MicroFor<T, static_cast<int>(I) + 1>()...};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,31 +277,12 @@ Plan MakePlan(int64_t m, int64_t k, int64_t n, int64_t elem_bytes, int64_t worke
   return p;
 }
 
-// A 64-byte aligned buffer that only grows; one per thread, reused across calls.
-struct Scratch {
-  std::unique_ptr<char, decltype(&std::free)> data{nullptr, &std::free};
-  size_t size = 0;
-  uint64_t call = 0;         // which call and row block the buffer holds
-  int64_t row_block = -1;
-  void* Get(size_t bytes) {
-    if (bytes > size) {
-      size = (bytes + 63) / 64 * 64;
-      data.reset(static_cast<char*>(std::aligned_alloc(64, size)));
-      call = 0;
-    }
-    return data.get();
-  }
-};
-
-std::atomic<uint64_t> g_calls{0};
-
 template <typename T>
 struct Job {
   Plan plan;
   const T* x;
   const T* w;
   T* out;
-  uint64_t call;
 };
 
 // Splits `rows` into ceil(rows / kMR) near-equal micro-kernel row counts.
@@ -332,27 +298,18 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
 }
 
 template <typename T>
-void RunItem(const Job<T>& job, int64_t item, Scratch& scratch) {
-  using A = typename Kind<T>::A;
+void RunItem(const Job<T>& job, int64_t item) {
   static constexpr auto kTable = MicroTable<T>(std::make_index_sequence<kMR>());
   const Plan& p = job.plan;
   const int64_t rb = item / p.chunks, chunk = item % p.chunks;
   const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
-  const int64_t steps = Kind<T>::Steps(p.k);
-  A* a = static_cast<A*>(scratch.Get(p.block_rows * steps * sizeof(A)));
-  if (scratch.call != job.call || scratch.row_block != rb) {
-    ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
-      Kind<T>::Pack(job.x + (row0 + r0) * p.k, r, p.k, a + r0 * steps);
-    });
-    scratch.call = job.call;
-    scratch.row_block = rb;
-  }
   const int64_t p0 = chunk * p.panels_per_item, p1 = std::min(p.panels, p0 + p.panels_per_item);
   for (int64_t panel = p0; panel < p1; ++panel) {
     const T* b = job.w + panel * p.k * kNR;
     const int64_t cols = std::min(kNR, p.n - panel * kNR);
     ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
-      kTable[r - 1](a + r0 * steps, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n, cols);
+      kTable[r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
+                    cols);
     });
   }
 }
@@ -364,17 +321,14 @@ struct SharedState {
   std::atomic<int64_t> done{0};
 };
 
-thread_local Scratch t_scratch;
-
 template <typename T, typename Pool>
 void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
-  const Job<T> job{plan, x, w, out, g_calls.fetch_add(1) + 1};
+  const Job<T> job{plan, x, w, out};
   const int64_t n = plan.items();
   auto state = std::make_shared<SharedState>();
   auto work = [state, &job, n]() {
-    Scratch& scratch = t_scratch;
     for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      RunItem(job, i, scratch);
+      RunItem(job, i);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
