@@ -3,11 +3,22 @@
 // Same contract as pallas_kernels/reference.py: flat ragged queries q[T, Hq, D] attend to
 // their row's pages of kv_pages[L, 2, num_blocks, block_size, Hkv, D] at layer `layer`.
 // The pages are read in place (no gather copy), each row only up to its own length, and
-// the work (row, kv head, query tile) is spread over XLA's intra-op thread pool.
-// Per work item: the tile's G * tile queries score every key of the row once (a K row is
-// loaded once and reused for all of them), then softmax in float32, then P @ V.
+// the work items are spread over XLA's intra-op thread pool, largest first. Keys are visited
+// in chunks with a flash-style online softmax, so scratch does not grow with the context.
+//
+// Two kinds of work item:
+// - Prefill tile: up to kTileRows query rows (tokens x the G query heads of one kv head).
+//   The scaled queries are transposed once, so the scores of a key chunk come out as vectors
+//   over queries (S^T[key][query], one broadcast key element per FMA, no horizontal sums) and
+//   the softmax statistics are per-lane vectors. P @ V accumulates into register tiles.
+// - Decode (one query token): all kv heads of a range of keys, so each page is streamed as one
+//   contiguous block (the next one prefetched). Each query scores 16 keys at once: per-key
+//   product vectors are summed in a transpose-add tree. With few rows, long rows are split into
+//   key ranges whose softmax states are merged at the end (flash-decoding), so one row can
+//   still use every thread.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -18,16 +29,139 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;  // prefill tokens per work item
+constexpr int kLanes = 16;         // float32 lanes of one vector
+constexpr int kDecodeKeys = 16;    // keys per online-softmax step in decode: one vector of keys
+constexpr int kTileKeys = 32;      // keys per online-softmax step in a prefill tile
+constexpr int kTileRows = 48;      // query rows per prefill tile: 3 vectors, the score kernel's width
+constexpr int kMinSplitKeys = 64;  // smallest key range worth a work item of its own
+
+// Fully unrolled small loops let GCC keep arrays of accumulators in registers (without it,
+// they are stored to the stack on every iteration).
+#define UNROLL _Pragma("GCC unroll 16")
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------------------ 16-lane vectors
+// The kernels are written against this small set of operations: AVX-512 when the compiler
+// targets it (the build uses -march=native), else plain loops over 16 floats.
+
+#if defined(__AVX512F__)
+
+using Vec = __m512;
+using Mask = __mmask16;
+
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadMasked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline Vec Select(Mask m, Vec a, Vec b) { return _mm512_mask_blend_ps(m, b, a); }  // m ? a : b
+inline Mask LessEqual(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline float ReduceMax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline float ReduceAdd(Vec v) { return _mm512_reduce_add_ps(v); }
+inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }  // to L2
+
+// exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by its Taylor series to
+// degree 7 (relative error < 1e-8 before rounding). Exactly 0 below -87 (and for -inf), where
+// float32 exp leaves the normal range: masked scores and empty softmax states contribute nothing.
+inline Vec Exp(Vec x) {
+  const Vec xc = _mm512_max_ps(_mm512_min_ps(x, Set1(88.5f)), Set1(-88.f));
+  const Vec n = _mm512_roundscale_ps(Mul(xc, Set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), xc);  // ln 2 split in two for an exact n * ln2_hi
+  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  Vec y = Set1(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) y = Fma(y, r, Set1(c));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, Set1(-87.f), _CMP_GE_OQ), y, n);
+}
+
+// Lane k = the sum of acc[k]'s lanes: pairs of vectors are folded in half and interleaved
+// (512 -> 256 -> 128 -> 64 -> 32 bits), 15 adds instead of 16 horizontal sums.
+inline Vec SumEach16(const Vec (&acc)[16]) {
+  Vec a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // halves 256-bit: [acc[2i] in 0..7 | acc[2i+1] in 8..15]
+    a[i] = Add(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+               _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit block j holds key 4i + j
+    b[i] = Add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+               _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block j: lanes 0-1 key 8i + j, lanes 2-3 key 8i + 4 + j
+    c[i] = Add(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const Vec d = Add(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  // Lane 4j + i now holds key 4i + j.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+#else  // portable fallback
+
+struct Vec {
+  float v[kLanes];
+};
+using Mask = uint32_t;
+
+template <typename F>
+inline Vec Map(F f) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = f(i);
+  return r;
+}
+inline Vec Zero() { return Map([](int) { return 0.f; }); }
+inline Vec Set1(float x) { return Map([x](int) { return x; }); }
+inline Vec Load(const float* p) { return Map([p](int i) { return p[i]; }); }
+inline Vec LoadMasked(const float* p, Mask m) { return Map([p, m](int i) { return m >> i & 1 ? p[i] : 0.f; }); }
+inline void Store(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline Vec Add(Vec a, Vec b) { return Map([&](int i) { return a.v[i] + b.v[i]; }); }
+inline Vec Sub(Vec a, Vec b) { return Map([&](int i) { return a.v[i] - b.v[i]; }); }
+inline Vec Mul(Vec a, Vec b) { return Map([&](int i) { return a.v[i] * b.v[i]; }); }
+inline Vec Div(Vec a, Vec b) { return Map([&](int i) { return a.v[i] / b.v[i]; }); }
+inline Vec Max(Vec a, Vec b) { return Map([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return Map([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); }); }
+inline Vec Select(Mask m, Vec a, Vec b) { return Map([&](int i) { return m >> i & 1 ? a.v[i] : b.v[i]; }); }
+inline Mask LessEqual(Vec a, Vec b) {
+  Mask m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= Mask{a.v[i] <= b.v[i]} << i;
+  return m;
+}
+inline float ReduceMax(Vec v) { return *std::max_element(v.v, v.v + kLanes); }
+inline float ReduceAdd(Vec v) {
+  float s = 0.f;
+  for (float x : v.v) s += x;
+  return s;
+}
+inline void Prefetch(const void*) {}
+inline Vec Exp(Vec x) { return Map([&](int i) { return x.v[i] < -87.f ? 0.f : std::exp(x.v[i]); }); }
+inline Vec SumEach16(const Vec (&acc)[16]) { return Map([&](int k) { return ReduceAdd(acc[k]); }); }
+
+#endif
+
+inline Mask FirstLanes(int64_t n) { return n >= kLanes ? Mask(0xFFFF) : Mask((1u << n) - 1); }
+
+// cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1).
+inline Vec SoftCap(Vec s, float cap) {
+  const Vec e = Exp(Mul(s, Set1(2.f / cap)));
+  return Mul(Set1(cap), Sub(Set1(1.f), Div(Set1(2.f), Add(e, Set1(1.f)))));
+}
+
+// ------------------------------------------------------------------------------ dtypes
 
 inline float Bf16ToF32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
@@ -41,133 +175,450 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-inline float Convert(uint16_t x, float*) { return Bf16ToF32(x); }
-inline uint16_t Convert(float x, uint16_t*) { return F32ToBf16(x); }
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
+inline void FromF32(float x, float* dst) { *dst = x; }
+inline void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
 
-// A row of `n` values from `Src` to `Dst` (float32 <-> bfloat16 bits, or a plain copy).
-template <typename Src, typename Dst>
-inline void ConvertRow(const Src* src, Dst* dst, int64_t n) {
-  if constexpr (std::is_same_v<Src, Dst>) {
-    std::memcpy(dst, src, n * sizeof(Src));
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = Convert(src[i], static_cast<Dst*>(nullptr));
-  }
-}
-
-// A cached K or V row as float32: the page memory itself for float32, else converted into `buf`.
-template <typename T>
-inline const float* CacheRow(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    ConvertRow(src, buf, n);
-    return buf;
-  }
-}
-
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void Axpy(float p, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
-}
-
-struct WorkItem {
-  int32_t row, t0, t1, head;
-};
+// ------------------------------------------------------------------------------ problem, items
 
 struct Problem {
-  int64_t hq, hkv, d, block_size, num_blocks, width;
-  int64_t layer;
+  int64_t hq, hkv, g, d, dpad, block_size, width, tile_tokens;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* qsl;
   float scale, soft_cap;
   int64_t window;
+
+  // Position of token t of row r, and the first key it sees.
+  int64_t Position(int64_t r, int64_t t) const { return seq_lens[r] - (qsl[r + 1] - t); }
+  int64_t FirstKey(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 };
 
-template <typename T>
-void RunItem(const Problem& p, const WorkItem& w, const T* q, const T* kv, T* out,
-             std::vector<float>& scratch) {
-  const int64_t g = p.hq / p.hkv, d = p.d;
-  const int64_t nt = w.t1 - w.t0, nq = nt * g;
-  const int64_t seq_len = p.seq_lens[w.row], end = p.qsl[w.row + 1];
-  const int64_t pos0 = seq_len - (end - w.t0);  // position of the tile's first token
-  const int64_t kmax = pos0 + nt;               // keys [kmin, kmax) cover every query of the tile
-  const int64_t kmin = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-  const int64_t nk = kmax - kmin;
-  scratch.resize(nq * d * 2 + nq * nk + d);
-  float* qf = scratch.data();
-  float* acc = qf + nq * d;
-  float* s = acc + nq * d;
-  float* kf = s + nq * nk;
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t j = 0; j < g; ++j) {
-      float* dst = qf + (t * g + j) * d;
-      ConvertRow(q + ((w.t0 + t) * p.hq + w.head * g + j) * d, dst, d);
-      for (int64_t i = 0; i < d; ++i) dst[i] *= p.scale;
-    }
-  const int32_t* table = p.block_tables + w.row * p.width;
-  const int64_t page_stride = p.block_size * p.hkv * d;
-  const T* k_base = kv + (p.layer * 2 + 0) * p.num_blocks * page_stride + w.head * d;
-  const T* v_base = kv + (p.layer * 2 + 1) * p.num_blocks * page_stride + w.head * d;
-  const int64_t row_stride = p.hkv * d;
-  // Visits keys [kmin, kmax) in order, block by block (no division per key): f(k, offset of its row).
-  auto for_each_key = [&](auto&& f) {
-    for (int64_t b = kmin / p.block_size; b * p.block_size < kmax; ++b) {
-      const int64_t page = table[b] * page_stride;
-      const int64_t lo = std::max(kmin, b * p.block_size), hi = std::min(kmax, (b + 1) * p.block_size);
-      for (int64_t k = lo; k < hi; ++k) f(k, page + (k - b * p.block_size) * row_stride);
-    }
-  };
+struct WorkItem {
+  int32_t row, t0, t1;  // query tokens [t0, t1) of `row`
+  int32_t h0, h1;       // kv heads
+  int32_t k0, k1;       // keys [k0, k1)
+  int32_t part;         // >= 0: a decode row split by keys; its softmax state goes to partial slot `part`
+  double cost;          // estimated time, for ordering and splitting
+};
 
-  for_each_key([&](int64_t k, int64_t offset) {
-    const float* kr = CacheRow(k_base + offset, kf, d);
-    for (int64_t i = 0; i < nq; ++i) s[i * nk + (k - kmin)] = Dot(qf + i * d, kr, d);
-  });
-  std::memset(acc, 0, nq * d * sizeof(float));
-  std::vector<float> denom(nq);
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t pos = pos0 + i / g;
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
-    float* si = s + i * nk;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t k = kmin; k < kmax; ++k) {
-      float& x = si[k - kmin];
-      if (k > pos || k < lo) {
-        x = -std::numeric_limits<float>::infinity();
+// Per-thread scratch: Carve({n0, n1, ...}) hands out float arrays of those sizes, each starting
+// on a whole vector, reusing one growing buffer across items.
+class Scratch {
+ public:
+  template <size_t N>
+  std::array<float*, N> Carve(const int64_t (&sizes)[N]) {
+    int64_t total = 0;
+    for (int64_t n : sizes) total += Round(n);
+    if (static_cast<int64_t>(buf_.size()) < total) buf_.resize(total);
+    std::array<float*, N> out;
+    float* p = buf_.data();
+    for (size_t i = 0; i < N; ++i) out[i] = p, p += Round(sizes[i]);
+    return out;
+  }
+
+ private:
+  static int64_t Round(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+  std::vector<float> buf_;
+};
+
+// K and V rows (kv head 0) of `n` consecutive keys from `k0`, walking the row's block table;
+// entries up to N repeat the first row, so kernels may load full groups without reading
+// anything outside the row's live context.
+template <int N, typename T>
+void KeyRows(const Problem& p, const int32_t* table, const T* k_layer, const T* v_layer, int64_t k0, int64_t n,
+             const T** k, const T** v) {
+  int64_t b = k0 / p.block_size, off = k0 % p.block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = (static_cast<int64_t>(table[b]) * p.block_size + off) * p.hkv * p.d;
+    k[i] = k_layer + at;
+    v[i] = v_layer + at;
+    if (++off == p.block_size) off = 0, ++b;
+  }
+  for (int64_t i = n; i < N; ++i) k[i] = k[0], v[i] = v[0];
+}
+
+// float32 rows of one kv head (at `offset` in each row): the page memory itself for float32
+// pages, else converted into `buf` (N x dpad).
+template <int N, typename T>
+void HeadRows(const Problem& p, const T* const* rows, int64_t n, int64_t offset, float* buf, const float** out) {
+  for (int64_t i = 0; i < N; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[i] = rows[i] + offset;
+    } else {
+      float* dst = buf + i * p.dpad;
+      if (i < n)
+        for (int64_t e = 0; e < p.d; ++e) dst[e] = ToF32(rows[i][offset + e]);
+      out[i] = i < n ? dst : buf;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ micro-kernels
+
+// o[i][:] = alpha[i] * o[i][:] + sum_k p[k * ps_k + i * ps_i] * v[k][:] for R rows and NV vectors
+// of the head dimension from vector v0; the accumulators stay in registers over the keys.
+template <int R, int NV>
+void PvTile(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, const float* const* v, int64_t nk,
+            float* o, int64_t ldo, int64_t v0, Mask tail, bool last) {
+  Vec acc[R][NV];
+  UNROLL for (int i = 0; i < R; ++i)
+    UNROLL for (int n = 0; n < NV; ++n) acc[i][n] = Mul(Load(o + i * ldo + (v0 + n) * kLanes), Set1(alpha[i]));
+  for (int64_t k = 0; k < nk; ++k) {
+    Vec vv[NV];
+    UNROLL for (int n = 0; n < NV; ++n)
+      vv[n] = LoadMasked(v[k] + (v0 + n) * kLanes, last && n == NV - 1 ? tail : Mask(0xFFFF));
+    UNROLL for (int i = 0; i < R; ++i) {
+      const Vec pk = Set1(p[k * ps_k + i * ps_i]);
+      UNROLL for (int n = 0; n < NV; ++n) acc[i][n] = Fma(pk, vv[n], acc[i][n]);
+    }
+  }
+  UNROLL for (int i = 0; i < R; ++i)
+    UNROLL for (int n = 0; n < NV; ++n) Store(o + i * ldo + (v0 + n) * kLanes, acc[i][n]);
+}
+
+template <int R>
+void PvRows(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, const float* const* v, int64_t nk,
+            float* o, int64_t ldo, int64_t v0, int64_t nv, Mask tail, bool last) {
+  switch (nv) {
+    case 1: return PvTile<R, 1>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
+    case 2: return PvTile<R, 2>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
+    case 3: return PvTile<R, 3>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
+    default: return PvTile<R, 4>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
+  }
+}
+
+// Rescale and accumulate `rows` rows of o (stride dpad) over nk keys: tiles of 6 rows x 4 vectors.
+void AccumulatePv(const Problem& pr, const float* p, int64_t ps_k, int64_t ps_i, const float* alpha,
+                  const float* const* v, int64_t nk, float* o, int64_t rows) {
+  const int64_t nvec = pr.dpad / kLanes;
+  const Mask tail = FirstLanes(pr.d - (nvec - 1) * kLanes);
+  for (int64_t i = 0; i < rows; i += 6) {
+    const float* pi = p + i * ps_i;
+    float* oi = o + i * pr.dpad;
+    for (int64_t v0 = 0; v0 < nvec; v0 += 4) {
+      const int64_t nv = std::min<int64_t>(4, nvec - v0);
+      const bool last = v0 + nv == nvec;
+      switch (std::min<int64_t>(6, rows - i)) {
+        case 1: PvRows<1>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        case 2: PvRows<2>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        case 3: PvRows<3>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        case 4: PvRows<4>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        case 5: PvRows<5>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        default: PvRows<6>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+      }
+    }
+  }
+}
+
+// s[r][lane] = sum_e k[r][e] * qt[e][lane] for 8 keys and NQ vectors of transposed queries.
+template <int NQ>
+void ScoreTile(const float* qt, int64_t ldq, const float* const* k, int64_t d, float* s, int64_t lds) {
+  constexpr int kKeys = 8;
+  Vec acc[kKeys][NQ];
+  UNROLL for (int r = 0; r < kKeys; ++r)
+    UNROLL for (int n = 0; n < NQ; ++n) acc[r][n] = Zero();
+  for (int64_t e = 0; e < d; ++e) {
+    Vec q[NQ];
+    UNROLL for (int n = 0; n < NQ; ++n) q[n] = Load(qt + e * ldq + n * kLanes);
+    UNROLL for (int r = 0; r < kKeys; ++r) {
+      const Vec kb = Set1(k[r][e]);
+      UNROLL for (int n = 0; n < NQ; ++n) acc[r][n] = Fma(kb, q[n], acc[r][n]);
+    }
+  }
+  UNROLL for (int r = 0; r < kKeys; ++r)
+    UNROLL for (int n = 0; n < NQ; ++n) Store(s + r * lds + n * kLanes, acc[r][n]);
+}
+
+// Lane r = q . k[r] over NV vectors of the head dimension from vector v0 (the last one masked by
+// `tail`), for 16 keys: the query stays in registers while the keys stream past.
+template <int NV>
+Vec DotBlock(const float* q, const float* const* k, int64_t v0, Mask tail) {
+  Vec qv[NV], acc[kDecodeKeys];
+  UNROLL for (int n = 0; n < NV; ++n) qv[n] = Load(q + (v0 + n) * kLanes);
+  UNROLL for (int r = 0; r < kDecodeKeys; ++r) {
+    const float* kr = k[r] + v0 * kLanes;
+    acc[r] = Mul(qv[0], LoadMasked(kr, NV == 1 ? tail : Mask(0xFFFF)));
+    UNROLL for (int n = 1; n < NV; ++n)
+      acc[r] = Fma(qv[n], LoadMasked(kr + n * kLanes, n == NV - 1 ? tail : Mask(0xFFFF)), acc[r]);
+  }
+  return SumEach16(acc);
+}
+
+// Lane r = q . k[r] for 16 keys, in blocks of up to 8 vectors of the head dimension.
+Vec Scores16(const Problem& p, const float* q, const float* const* k) {
+  const int64_t nvec = p.dpad / kLanes;
+  Vec x = Zero();
+  for (int64_t v0 = 0; v0 < nvec; v0 += 8) {
+    const int64_t nv = std::min<int64_t>(8, nvec - v0);
+    const Mask tail = v0 + nv == nvec ? FirstLanes(p.d - (nvec - 1) * kLanes) : Mask(0xFFFF);
+    switch (nv) {
+      case 1: x = Add(x, DotBlock<1>(q, k, v0, tail)); break;
+      case 2: x = Add(x, DotBlock<2>(q, k, v0, tail)); break;
+      case 3: x = Add(x, DotBlock<3>(q, k, v0, tail)); break;
+      case 4: x = Add(x, DotBlock<4>(q, k, v0, tail)); break;
+      case 5: x = Add(x, DotBlock<5>(q, k, v0, tail)); break;
+      case 6: x = Add(x, DotBlock<6>(q, k, v0, tail)); break;
+      case 7: x = Add(x, DotBlock<7>(q, k, v0, tail)); break;
+      default: x = Add(x, DotBlock<8>(q, k, v0, tail)); break;
+    }
+  }
+  return x;
+}
+
+// ------------------------------------------------------------------------------ prefill tile
+
+template <typename T>
+void TileItem(const Problem& p, const WorkItem& w, const T* q, const T* k_layer, const T* v_layer, T* out,
+              Scratch& sc) {
+  const int64_t g = p.g, d = p.d, nt = w.t1 - w.t0, rows = nt * g;
+  const int64_t nqv = (rows + kLanes - 1) / kLanes, ld = nqv * kLanes;  // rows padded to whole vectors
+  const int64_t pos0 = p.Position(w.row, w.t0);
+  const int32_t* table = p.block_tables + w.row * p.width;
+  // qt: scaled queries transposed, qt[e][t * g + j]; lane i sees keys [lo[i], pos[i]] (padding
+  // lanes none); m, l: running max and sum; s: scores, then probabilities, s[key][lane].
+  const auto [qt, pos, lo, m, l, alpha, s, o, kbuf, vbuf] =
+      sc.Carve({d * ld, ld, ld, ld, ld, ld, kTileKeys * ld, rows * p.dpad, kTileKeys * p.dpad, kTileKeys * p.dpad});
+  const T* krows[kTileKeys];
+  const T* vrows[kTileKeys];
+  const float* kr[kTileKeys];
+  const float* vr[kTileKeys];
+
+  for (int64_t i = 0; i < ld; ++i) {
+    pos[i] = i < rows ? static_cast<float>(pos0 + i / g) : -1.f;
+    lo[i] = i < rows ? static_cast<float>(p.FirstKey(pos0 + i / g)) : 0.f;
+  }
+  const int64_t first_full = p.FirstKey(pos0 + nt - 1);  // keys [first_full, pos0] are seen by every row
+
+  for (int64_t h = w.h0; h < w.h1; ++h) {
+    const T* src[kTileRows];
+    for (int64_t i = 0; i < rows; ++i) src[i] = q + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
+    for (int64_t e = 0; e < d; ++e) {
+      for (int64_t i = 0; i < rows; ++i) qt[e * ld + i] = ToF32(src[i][e]) * p.scale;
+      std::fill(qt + e * ld + rows, qt + (e + 1) * ld, 0.f);
+    }
+    std::fill(m, m + ld, kNegInf);
+    std::fill(l, l + ld, 0.f);
+    std::fill(o, o + rows * p.dpad, 0.f);
+    for (int64_t c = w.k0; c < w.k1; c += kTileKeys) {
+      const int64_t nk = std::min<int64_t>(kTileKeys, w.k1 - c);
+      KeyRows<kTileKeys>(p, table, k_layer, v_layer, c, nk, krows, vrows);
+      HeadRows<kTileKeys>(p, krows, nk, h * d, kbuf, kr);
+      HeadRows<kTileKeys>(p, vrows, nk, h * d, vbuf, vr);
+      for (int64_t r0 = 0; r0 < nk; r0 += 8)
+        for (int64_t v0 = 0; v0 < nqv; v0 += 3) {
+          float* dst = s + r0 * ld + v0 * kLanes;
+          switch (std::min<int64_t>(3, nqv - v0)) {
+            case 1: ScoreTile<1>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+            case 2: ScoreTile<2>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+            default: ScoreTile<3>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+          }
+        }
+      const bool masked = c < first_full || c + nk - 1 > pos0;  // the causal diagonal or the window's edge
+      // Online softmax, vertically: each lane is one query row.
+      for (int64_t v0 = 0; v0 < ld; v0 += kLanes) {
+        const Vec vpos = Load(pos + v0), vlo = Load(lo + v0), m_old = Load(m + v0);
+        Vec mx = m_old;
+        for (int64_t k = 0; k < nk; ++k) {
+          Vec x = Load(s + k * ld + v0);
+          if (p.soft_cap > 0.f) x = SoftCap(x, p.soft_cap);
+          if (masked) {
+            const Vec key = Set1(static_cast<float>(c + k));
+            x = Select(LessEqual(key, vpos) & LessEqual(vlo, key), x, Set1(kNegInf));
+          }
+          if (masked || p.soft_cap > 0.f) Store(s + k * ld + v0, x);
+          mx = Max(mx, x);
+        }
+        const Vec base = Select(LessEqual(mx, Set1(kNegInf)), Zero(), mx);  // no key seen yet: any base
+        const Vec a = Exp(Sub(m_old, base));
+        Vec sum = Zero();
+        for (int64_t k = 0; k < nk; ++k) {
+          const Vec e = Exp(Sub(Load(s + k * ld + v0), base));
+          Store(s + k * ld + v0, e);
+          sum = Add(sum, e);
+        }
+        Store(alpha + v0, a);
+        Store(l + v0, Fma(Load(l + v0), a, sum));
+        Store(m + v0, mx);
+      }
+      AccumulatePv(p, s, ld, 1, alpha, vr, nk, o, rows);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      T* dst = out + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
+      for (int64_t e = 0; e < d; ++e) FromF32(o[i * p.dpad + e] * inv, dst + e);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ decode
+
+// Softmax state of one query row: running max, sum of exponentials, unnormalized output.
+inline int64_t PartSize(const Problem& p) { return p.hq * (p.dpad + 2); }
+
+template <typename T>
+void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_layer, const T* v_layer, T* out,
+                float* parts, Scratch& sc) {
+  const int64_t g = p.g, d = p.d, dpad = p.dpad;
+  const int64_t rows = (w.h1 - w.h0) * g, row0 = w.h0 * g;  // query heads [row0, row0 + rows)
+  const int32_t* table = p.block_tables + w.row * p.width;
+  // qs: scaled queries zero-padded to dpad; s: probabilities s[row][key].
+  const auto [qs, m, l, alpha, s, o, kbuf, vbuf] =
+      sc.Carve({rows * dpad, rows, rows, rows, rows * kDecodeKeys, rows * dpad, kDecodeKeys * dpad, kDecodeKeys * dpad});
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* src = q + (w.t0 * p.hq + row0 + i) * d;
+    for (int64_t e = 0; e < dpad; ++e) qs[i * dpad + e] = e < d ? ToF32(src[e]) * p.scale : 0.f;
+  }
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  std::fill(o, o + rows * dpad, 0.f);
+
+  const T* krows[kDecodeKeys];
+  const T* vrows[kDecodeKeys];
+  const T* knext[kDecodeKeys];
+  const T* vnext[kDecodeKeys];
+  const float* kr[kDecodeKeys];
+  const float* vr[kDecodeKeys];
+  if (w.k0 < w.k1)
+    KeyRows<kDecodeKeys>(p, table, k_layer, v_layer, w.k0, std::min<int64_t>(kDecodeKeys, w.k1 - w.k0), knext, vnext);
+  for (int64_t c = w.k0; c < w.k1; c += kDecodeKeys) {
+    const int64_t nk = std::min<int64_t>(kDecodeKeys, w.k1 - c);
+    const int64_t nn = std::clamp<int64_t>(w.k1 - c - kDecodeKeys, 0, kDecodeKeys);  // keys in the next chunk
+    std::copy(knext, knext + kDecodeKeys, krows);
+    std::copy(vnext, vnext + kDecodeKeys, vrows);
+    if (nn > 0) KeyRows<kDecodeKeys>(p, table, k_layer, v_layer, c + kDecodeKeys, nn, knext, vnext);
+    // The next chunk is usually another page: fetch it into L2 meanwhile, one head's part of K
+    // or V at a time (issued all at once, the prefetches stall the loop).
+    auto prefetch_next = [&](const T* const* rows, int64_t h) {
+      for (int64_t i = 0; i < nn; ++i)
+        for (int64_t b = 0; b < static_cast<int64_t>(d * sizeof(T)); b += 64)
+          Prefetch(reinterpret_cast<const char*>(rows[i] + h * d) + b);
+    };
+    for (int64_t h = w.h0; h < w.h1; ++h) {
+      prefetch_next(knext, h);
+      HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
+      for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i) Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
+    }
+    // Online softmax of every row at once: independent chains of horizontal reductions overlap.
+    const Mask live = FirstLanes(nk);
+    for (int64_t i = 0; i < rows; ++i) {
+      Vec x = Load(s + i * kDecodeKeys);
+      if (p.soft_cap > 0.f) x = SoftCap(x, p.soft_cap);
+      x = Select(live, x, Set1(kNegInf));
+      const float mx = std::max(m[i], ReduceMax(x));
+      const Vec e = Exp(Sub(x, Set1(mx)));
+      alpha[i] = std::exp(m[i] - mx);
+      l[i] = l[i] * alpha[i] + ReduceAdd(e);
+      m[i] = mx;
+      Store(s + i * kDecodeKeys, e);
+    }
+    for (int64_t h = w.h0; h < w.h1; ++h) {
+      const int64_t i0 = (h - w.h0) * g;
+      prefetch_next(vnext, h);
+      HeadRows<kDecodeKeys>(p, vrows, nk, h * d, vbuf, vr);
+      AccumulatePv(p, s + i0 * kDecodeKeys, 1, kDecodeKeys, alpha + i0, vr, nk, o + i0 * dpad, g);
+    }
+  }
+  if (w.part >= 0) {
+    float* part = parts + w.part * PartSize(p);
+    std::copy(m, m + rows, part + row0);
+    std::copy(l, l + rows, part + p.hq + row0);
+    std::copy(o, o + rows * dpad, part + 2 * p.hq + row0 * dpad);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    T* dst = out + (w.t0 * p.hq + row0 + i) * d;
+    for (int64_t e = 0; e < d; ++e) FromF32(o[i * dpad + e] * inv, dst + e);
+  }
+}
+
+// Combines the softmax states of a row's key ranges into its output row.
+template <typename T>
+void MergeParts(const Problem& p, const float* parts, int64_t count, T* out) {
+  const int64_t size = PartSize(p);
+  for (int64_t i = 0; i < p.hq; ++i) {
+    float mx = kNegInf;
+    for (int64_t s = 0; s < count; ++s) mx = std::max(mx, parts[s * size + i]);
+    std::vector<float> acc(p.d, 0.f);
+    float sum = 0.f;
+    for (int64_t s = 0; s < count; ++s) {
+      const float* part = parts + s * size;
+      const float f = std::exp(part[i] - mx);
+      sum += f * part[p.hq + i];
+      for (int64_t e = 0; e < p.d; ++e) acc[e] += f * part[2 * p.hq + i * p.dpad + e];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t e = 0; e < p.d; ++e) FromF32(acc[e] * inv, out + i * p.d + e);
+  }
+}
+
+// ------------------------------------------------------------------------------ scheduling
+
+// Work items of every live row, plus (first part, count, token) of each split decode row.
+struct Plan {
+  std::vector<WorkItem> items;
+  struct Split {
+    int32_t part, count, token;
+  };
+  std::vector<Split> splits;
+  int32_t num_parts = 0;
+};
+
+Plan MakePlan(const Problem& p, int64_t rows, int64_t workers) {
+  Plan plan;
+  std::vector<WorkItem> decode;
+  double total = 0.;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t start = p.qsl[r], end = p.qsl[r + 1];
+    if (p.seq_lens[r] <= 0 || end <= start) continue;
+    for (int32_t t0 = start; t0 < end; t0 += p.tile_tokens) {
+      const int32_t t1 = std::min<int32_t>(end, t0 + p.tile_tokens);
+      const int64_t k1 = std::max<int64_t>(0, p.Position(r, t1 - 1) + 1);
+      const int32_t k0 = static_cast<int32_t>(std::min(k1, p.FirstKey(p.Position(r, t0))));
+      const int64_t nkeys = k1 - k0;
+      if (t1 - t0 == 1) {  // a decode row: ~ one score vector per key and kv head, memory bound
+        const WorkItem w{static_cast<int32_t>(r), t0, t1, 0, static_cast<int32_t>(p.hkv), k0,
+                         static_cast<int32_t>(k1), -1, static_cast<double>(nkeys * p.hkv) + 64.};
+        decode.push_back(w);
+        total += w.cost;
         continue;
       }
-      if (p.soft_cap > 0.f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-      m = std::max(m, x);
+      const int64_t nqv = ((t1 - t0) * p.g + kLanes - 1) / kLanes;
+      for (int32_t h = 0; h < p.hkv; ++h) {
+        plan.items.push_back({static_cast<int32_t>(r), t0, t1, h, h + 1, k0, static_cast<int32_t>(k1), -1,
+                              static_cast<double>(nkeys * nqv * 2) + 64.});
+        total += plan.items.back().cost;
+      }
     }
-    float sum = 0.f;
-    for (int64_t k = 0; k < nk; ++k) {
-      const float e = si[k] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(si[k] - m);
-      si[k] = e;
-      sum += e;
-    }
-    denom[i] = sum;
   }
-  for_each_key([&](int64_t k, int64_t offset) {
-    const float* vr = CacheRow(v_base + offset, kf, d);
-    for (int64_t i = 0; i < nq; ++i) {
-      const float pk = s[i * nk + (k - kmin)];
-      if (pk != 0.f) Axpy(pk, vr, acc + i * d, d);
+  // Long decode rows are split into key ranges (multiples of kDecodeKeys) until every item is at most
+  // 1/4 of a thread's share, so that a batch of few rows still keeps every thread busy.
+  const double limit = total / (4. * workers);
+  for (const WorkItem& w : decode) {
+    const int64_t nkeys = w.k1 - w.k0;
+    const int64_t pieces = workers > 1 ? std::min<int64_t>(static_cast<int64_t>(w.cost / limit), nkeys / kMinSplitKeys)
+                                       : 1;
+    if (pieces <= 1) {
+      plan.items.push_back(w);
+      continue;
     }
-  });
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t i = t * g + j;
-      const float inv = denom[i] > 0.f ? 1.f / denom[i] : 0.f;
-      for (int64_t e = 0; e < d; ++e) acc[i * d + e] *= inv;
-      ConvertRow(acc + i * d, out + ((w.t0 + t) * p.hq + w.head * g + j) * d, d);
+    const int64_t step = (nkeys / pieces + kDecodeKeys - 1) / kDecodeKeys * kDecodeKeys;
+    const int32_t first = plan.num_parts;
+    for (int64_t k = w.k0; k < w.k1; k += step) {
+      WorkItem piece = w;
+      piece.k0 = static_cast<int32_t>(k);
+      piece.k1 = static_cast<int32_t>(std::min<int64_t>(w.k1, k + step));
+      piece.part = plan.num_parts++;
+      piece.cost = w.cost * (piece.k1 - piece.k0) / nkeys;
+      plan.items.push_back(piece);
     }
+    plan.splits.push_back({first, plan.num_parts - first, w.t0});
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return plan;
 }
 
 // Items are claimed from an atomic counter by the caller and by pool tasks; the caller returns
@@ -178,14 +629,19 @@ struct SharedState {
 };
 
 template <typename T>
-void RunAll(const Problem& p, const std::vector<WorkItem>& items, const T* q, const T* kv, T* out,
+void RunAll(const Problem& p, const Plan& plan, const T* q, const T* k_layer, const T* v_layer, T* out,
             ffi::ThreadPool pool) {
   auto state = std::make_shared<SharedState>();
+  const std::vector<WorkItem>& items = plan.items;
   const int64_t n = static_cast<int64_t>(items.size());
-  auto work = [state, &p, &items, q, kv, out, n]() {
-    std::vector<float> scratch;
+  std::vector<float> parts(plan.num_parts * PartSize(p));
+  auto work = [state, &p, &items, q, k_layer, v_layer, out, n, parts = parts.data()]() {
+    Scratch scratch;
     for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      RunItem(p, items[i], q, kv, out, scratch);
+      if (items[i].t1 - items[i].t0 == 1)
+        DecodeItem(p, items[i], q, k_layer, v_layer, out, parts, scratch);
+      else
+        TileItem(p, items[i], q, k_layer, v_layer, out, scratch);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -197,6 +653,8 @@ void RunAll(const Problem& p, const std::vector<WorkItem>& items, const T* q, co
   }
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  for (const Plan::Split& s : plan.splits)
+    MergeParts(p, parts.data() + s.part * PartSize(p), s.count, out + s.token * p.hq * p.d);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
@@ -215,44 +673,52 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t num_tokens = qd[0];
   p.hq = qd[1];
   p.d = qd[2];
-  p.num_blocks = kd[2];
+  const int64_t num_blocks = kd[2];
   p.block_size = kd[3];
   p.hkv = kd[4];
   p.width = block_tables.dimensions()[1];
-  p.layer = layer.typed_data()[0];
+  const int64_t layer_index = layer.typed_data()[0];
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.qsl = query_start_loc.typed_data();
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.window = sliding_window;
-  if (p.hq % p.hkv != 0 || kd[5] != p.d || p.layer < 0 || p.layer >= kd[0])
+  if (p.hkv <= 0 || p.hq % p.hkv != 0 || kd[5] != p.d || p.d <= 0 || layer_index < 0 || layer_index >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention_cpu: inconsistent head counts, head_dim or layer");
+  p.g = p.hq / p.hkv;
+  p.dpad = (p.d + kLanes - 1) / kLanes * kLanes;
+  p.tile_tokens = std::max<int64_t>(1, kTileRows / p.g);
   const int64_t rows = seq_lens.dimensions()[0];
 
-  std::vector<WorkItem> items;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t start = p.qsl[r], end = p.qsl[r + 1];
-    if (p.seq_lens[r] <= 0 || end <= start) continue;
-    for (int32_t t0 = start; t0 < end; t0 += kQueryTile)
-      for (int32_t h = 0; h < p.hkv; ++h)
-        items.push_back({static_cast<int32_t>(r), t0, std::min<int32_t>(end, t0 + kQueryTile), h});
-  }
-  // Tokens outside every row (padding) get zeros.
-  const int64_t used = rows > 0 ? std::clamp<int64_t>(p.qsl[rows], 0, num_tokens) : 0;
+  // Padding tokens, and any tokens of rows without context, get zeros.
   const int64_t row_bytes = p.hq * p.d * ffi::ByteWidth(q.element_type());
-  std::memset(static_cast<char*>(out->untyped_data()) + used * row_bytes, 0, (num_tokens - used) * row_bytes);
+  char* out_bytes = static_cast<char*>(out->untyped_data());
+  auto zero_tokens = [&](int64_t t0, int64_t t1) {
+    t0 = std::clamp<int64_t>(t0, 0, num_tokens);
+    t1 = std::clamp<int64_t>(t1, t0, num_tokens);
+    std::memset(out_bytes + t0 * row_bytes, 0, (t1 - t0) * row_bytes);
+  };
+  zero_tokens(rows > 0 ? p.qsl[rows] : 0, num_tokens);
+  for (int64_t r = 0; r < rows; ++r)
+    if (p.seq_lens[r] <= 0) zero_tokens(p.qsl[r], p.qsl[r + 1]);
 
+  const Plan plan = MakePlan(p, rows, std::max<int64_t>(1, pool.num_threads()));
+  const int64_t layer_stride = 2 * num_blocks * p.block_size * p.hkv * p.d;
+  const int64_t kv_stride = layer_stride / 2;
   switch (q.element_type()) {
-    case ffi::DataType::F32:
-      RunAll(p, items, static_cast<const float*>(q.untyped_data()),
-             static_cast<const float*>(kv_pages.untyped_data()), static_cast<float*>(out->untyped_data()), pool);
+    case ffi::DataType::F32: {
+      const float* kv = static_cast<const float*>(kv_pages.untyped_data()) + layer_index * layer_stride;
+      RunAll(p, plan, static_cast<const float*>(q.untyped_data()), kv, kv + kv_stride,
+             static_cast<float*>(out->untyped_data()), pool);
       break;
-    case ffi::DataType::BF16:
-      RunAll(p, items, static_cast<const uint16_t*>(q.untyped_data()),
-             static_cast<const uint16_t*>(kv_pages.untyped_data()), static_cast<uint16_t*>(out->untyped_data()),
-             pool);
+    }
+    case ffi::DataType::BF16: {
+      const uint16_t* kv = static_cast<const uint16_t*>(kv_pages.untyped_data()) + layer_index * layer_stride;
+      RunAll(p, plan, static_cast<const uint16_t*>(q.untyped_data()), kv, kv + kv_stride,
+             static_cast<uint16_t*>(out->untyped_data()), pool);
       break;
+    }
     default:
       return ffi::Error::InvalidArgument("paged_attention_cpu: only float32 and bfloat16 are supported");
   }
