@@ -174,6 +174,42 @@ def test_native_cpu_kernel_matches_reference(name: str) -> None:
     check_against_reference(CASES[name], backend="cpu")
 
 
+# The native kernel's own paths: prefill tiles of 48 // G tokens (a 1-token remainder goes to the
+# decode path), 32-key chunks in tiles and 16-key chunks in decode that straddle pages when the
+# block size or the window start is not aligned, the head dimension in 16-lane vectors (72: a
+# masked tail; 80 and 256: more than one register tile), and, with few rows on a multi-threaded
+# pool, decode rows split by key ranges and merged.
+NATIVE_CASES = {
+    "tiles-gqa1-d64-bs16": Case(rows=((100, 130), (49, 49), (1, 33), (2, 2)), block_size=16, head_dim=64,
+                                q_heads=2, kv_heads=2),
+    "tiles-gqa3-d72-bs8": Case(rows=((37, 75), (16, 16), (17, 40)), block_size=8, head_dim=72, q_heads=6,
+                               kv_heads=2),
+    "tiles-gqa4-d80-bs32": Case(rows=((30, 95), (1, 70), (13, 13)), block_size=32, head_dim=80, q_heads=8,
+                                kv_heads=2),
+    "tiles-gqa8-d128-bs16": Case(rows=((20, 300), (1, 129), (7, 7)), block_size=16, head_dim=128, q_heads=16,
+                                 kv_heads=2),
+    "d256-gqa2": Case(rows=((9, 40), (1, 77)), block_size=16, head_dim=256, q_heads=4, kv_heads=2),
+    "window-softcap-tiles-gqa3": Case(rows=((70, 180), (1, 250), (5, 21)), block_size=16, head_dim=64,
+                                      q_heads=3, kv_heads=1, sliding_window=37, soft_cap=5.0),
+    "window-shorter-than-tile": Case(rows=((40, 60), (1, 90)), block_size=8, head_dim=64, q_heads=2,
+                                     kv_heads=1, sliding_window=5),
+    "split-decode": Case(rows=((1, 3000), (1, 45)), block_size=16, head_dim=64, q_heads=6, kv_heads=3),
+    "split-decode-window-softcap": Case(rows=((1, 2500),), block_size=16, head_dim=64, q_heads=4, kv_heads=1,
+                                        sliding_window=1000, soft_cap=20.0),
+    "decode-rows-and-prefill-smollm2": Case(rows=tuple((1, 17 + 23 * i) for i in range(30)) + ((60, 100),),
+                                            block_size=16, head_dim=64, q_heads=9, kv_heads=3),
+    "bf16-tiles-d72-window": Case(rows=((33, 50), (1, 300)), block_size=16, head_dim=72, q_heads=6,
+                                  kv_heads=2, dtype="bfloat16", sliding_window=40),
+    "bf16-split-decode-d128": Case(rows=((1, 2000),), block_size=16, head_dim=128, q_heads=8, kv_heads=2,
+                                   dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", list(NATIVE_CASES))
+def test_native_cpu_kernel_paths(name: str) -> None:
+    check_against_reference(NATIVE_CASES[name], backend="cpu")
+
+
 @pytest.mark.parametrize("tiles", [dict(q_tile=8, pages_per_step=1, kv_heads_per_program=2),
                                    dict(q_tile=3, pages_per_step=3)], ids=["page-chunks-2-heads", "odd-tiles"])
 def test_interpret_tile_parameters(tiles: dict) -> None:
