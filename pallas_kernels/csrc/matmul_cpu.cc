@@ -47,8 +47,9 @@ constexpr int kMR = 12;                     // most rows per micro-kernel call
 #define PFROWS 8
 #endif
 constexpr int64_t kRowBlockBytes = ROWBLOCK;  // rows of x per row block (kept in L2)
-constexpr int64_t kMaxPanelsPerItem = 16;
+constexpr int64_t kMaxPanelsPerRun = 16;
 constexpr int64_t kPrefetchRows = PFROWS;     // panel rows (pair rows) prefetched ahead
+constexpr int64_t kAheadGroups = 4;           // up to this many row groups prefetch the next panel
 
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -120,8 +121,18 @@ inline void StoreTile(__m512 (&acc)[R][2], uint16_t* c, int64_t ldc, int64_t col
   }
 }
 
-template <int R>
-void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+// Prefetches into L2, during the first steps of a micro-kernel, `lines` cache lines from `ahead`
+// (a slice of the next panel, so that streaming it overlaps this panel's arithmetic).
+inline void PrefetchAhead(const char* ahead, int64_t lines, int64_t step) {
+  if (2 * step < lines) {
+    _mm_prefetch(ahead + 128 * step, _MM_HINT_T1);
+    if (2 * step + 1 < lines) _mm_prefetch(ahead + 128 * step + 64, _MM_HINT_T1);
+  }
+}
+
+template <int R, bool kAhead>
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+              const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 2
@@ -129,6 +140,7 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
     const float* bi = b + i * kNR;
     _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
+    if constexpr (kAhead) PrefetchAhead(ahead, ahead_lines, i);
     const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * lda + i]);
@@ -172,9 +184,9 @@ inline void PairStep(__m512 (&acc)[R][2], Word&& word, __m512i b0, __m512i b1) {
 #endif
 }
 
-template <int R>
+template <int R, bool kAhead>
 void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
-               int64_t cols) {
+               int64_t cols, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
@@ -183,6 +195,7 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
     const uint16_t* bq = b + q * 2 * kNR;
     _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
+    if constexpr (kAhead) PrefetchAhead(ahead, ahead_lines, q);
     PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, _mm512_loadu_si512(bq),
                 _mm512_loadu_si512(bq + 32));
   }
@@ -197,8 +210,9 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
 
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
-template <int R>
-void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols) {
+template <int R, bool>
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+              const char*, int64_t) {
   float acc[R][kNR] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r) {
@@ -209,9 +223,9 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
   for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, acc[r], cols * sizeof(float));
 }
 
-template <int R>
+template <int R, bool>
 void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
-               int64_t cols) {
+               int64_t cols, const char*, int64_t) {
   float acc[R][kNR] = {};
   float lo[kNR], hi[kNR];
   for (int64_t q = 0; q < (k + 1) / 2; ++q) {
@@ -234,47 +248,44 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
 
 #endif
 
-// The micro-kernels of one dtype by row count: MicroTable<T>(...)[R - 1].
+// The micro-kernels of one dtype, with or without prefetching ahead, by row count:
+// MicroTable<T, kAhead>(...)[R - 1].
 template <typename T>
-using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int64_t);
+using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int64_t, const char*, int64_t);
 
-template <typename T, int R>
+template <typename T, bool kAhead, int R>
 constexpr MicroFn<T> MicroFor() {
   if constexpr (std::is_same_v<T, float>) {
-    return &MicroF32<R>;
+    return &MicroF32<R, kAhead>;
   } else {
-    return &MicroBf16<R>;
+    return &MicroBf16<R, kAhead>;
   }
 }
 
-template <typename T, size_t... I>
+template <typename T, bool kAhead, size_t... I>
 constexpr std::array<MicroFn<T>, sizeof...(I)> MicroTable(std::index_sequence<I...>) {
-  return {MicroFor<T, static_cast<int>(I) + 1>()...};
+  return {MicroFor<T, kAhead, static_cast<int>(I) + 1>()...};
 }
 
 // ---------------------------------------------------------------------------------------------
 // Work split and execution.
 
+// The work is a list of units (row block, panel), row-block major. Workers claim runs of
+// consecutive units: big runs first (a weight stream of many contiguous panels), shrinking to
+// single panels at the end, so that a worker that starts late or loses its core to another
+// process holds up the others by at most one small run.
 struct Plan {
   int64_t m, k, n, panels;
-  int64_t block_rows;        // rows per row block (the last one may be shorter)
-  int64_t row_blocks;
-  int64_t panels_per_item;
-  int64_t chunks;            // panel chunks per row block
-  int64_t items() const { return row_blocks * chunks; }
+  int64_t block_rows;  // rows per row block (the last one may be shorter)
+  int64_t units;       // row blocks x panels
+  int64_t workers;
 };
 
 Plan MakePlan(int64_t m, int64_t k, int64_t n, int64_t elem_bytes, int64_t workers) {
-  Plan p{m, k, n, (n + kNR - 1) / kNR, m, 1, 1, 1};
+  const int64_t panels = (n + kNR - 1) / kNR;
   const int64_t fit = std::max<int64_t>(kMR, kRowBlockBytes / std::max<int64_t>(1, k * elem_bytes) / kMR * kMR);
-  p.row_blocks = (m + fit - 1) / fit;
-  p.block_rows = (m + p.row_blocks - 1) / p.row_blocks;
-  // At least ~4 items per worker (others share these cores: late or slow workers get less),
-  // at most kMaxPanelsPerItem panels per item.
-  const int64_t want = std::max<int64_t>(1, (4 * workers + p.row_blocks - 1) / p.row_blocks);
-  p.panels_per_item = std::clamp<int64_t>(p.panels / want, 1, kMaxPanelsPerItem);
-  p.chunks = (p.panels + p.panels_per_item - 1) / p.panels_per_item;
-  return p;
+  const int64_t row_blocks = (m + fit - 1) / fit;
+  return {m, k, n, panels, (m + row_blocks - 1) / row_blocks, row_blocks * panels, workers};
 }
 
 template <typename T>
@@ -297,25 +308,36 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
   }
 }
 
+// Units [u0, u1): one row block's panels at a time.
 template <typename T>
-void RunItem(const Job<T>& job, int64_t item) {
-  static constexpr auto kTable = MicroTable<T>(std::make_index_sequence<kMR>());
+void RunUnits(const Job<T>& job, int64_t u0, int64_t u1) {
+  static constexpr auto kPlain = MicroTable<T, false>(std::make_index_sequence<kMR>());
+  static constexpr auto kAhead = MicroTable<T, true>(std::make_index_sequence<kMR>());
   const Plan& p = job.plan;
-  const int64_t rb = item / p.chunks, chunk = item % p.chunks;
-  const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
-  const int64_t p0 = chunk * p.panels_per_item, p1 = std::min(p.panels, p0 + p.panels_per_item);
-  for (int64_t panel = p0; panel < p1; ++panel) {
+  const int64_t panel_lines = p.k * kNR * static_cast<int64_t>(sizeof(T)) / 64;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t rb = u / p.panels, panel = u % p.panels;
+    const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
+    const int64_t groups = (rows + kMR - 1) / kMR;
     const T* b = job.w + panel * p.k * kNR;
     const int64_t cols = std::min(kNR, p.n - panel * kNR);
+    // With few row groups (the weight is read from memory about as fast as it is used), each
+    // group prefetches its share of this run's next panel into L2.
+    const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
+    const bool ahead = u + 1 < u1 && panel + 1 < p.panels && groups <= kAheadGroups;
+    const int64_t share = ahead ? (panel_lines + groups - 1) / groups : 0;
+    const auto& table = ahead ? kAhead : kPlain;
+    int64_t g = 0;
     ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
-      kTable[r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
-                    cols);
+      const int64_t first = std::min(panel_lines, g++ * share);
+      table[r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
+                    cols, next + 64 * first, std::min(share, panel_lines - first));
     });
   }
 }
 
-// Items are claimed from an atomic counter by the caller and by pool tasks; the caller returns
-// once every item is done. Tasks that start late find nothing left and only touch `state`.
+// Shared by the caller and the pool tasks; the caller returns once every unit is done. Tasks
+// that start late find nothing left and only touch `state`.
 struct SharedState {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -324,15 +346,19 @@ struct SharedState {
 template <typename T, typename Pool>
 void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
   const Job<T> job{plan, x, w, out};
-  const int64_t n = plan.items();
+  const int64_t n = plan.units, share = 2 * plan.workers;
   auto state = std::make_shared<SharedState>();
-  auto work = [state, &job, n]() {
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      RunItem(job, i);
-      state->done.fetch_add(1, std::memory_order_release);
+  auto work = [state, &job, n, share]() {
+    int64_t u0 = state->next.load();
+    while (u0 < n) {
+      const int64_t u1 = u0 + std::clamp<int64_t>((n - u0) / share, 1, kMaxPanelsPerRun);
+      if (!state->next.compare_exchange_weak(u0, u1)) continue;  // u0 now holds the current value
+      RunUnits(job, u0, u1);
+      state->done.fetch_add(u1 - u0, std::memory_order_release);
+      u0 = state->next.load();
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  const int64_t helpers = std::min<int64_t>(plan.workers, n) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([state, work, n]() {
       if (state->next.load() < n) work();
