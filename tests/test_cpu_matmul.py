@@ -99,6 +99,14 @@ def test_large_values_and_zero_rows():
     _check_f32(got, x, w)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_empty_m_and_k(dtype):
+    _, w = _data(1, 9, 40)
+    assert matmul(jnp.zeros((0, 9), dtype), jnp.asarray(pack_weight(w, dtype)), 40).shape == (0, 40)
+    out = matmul(jnp.ones((3, 0), dtype), jnp.asarray(pack_weight(w[:0], dtype)), 40)
+    assert out.shape == (3, 40) and out.dtype == dtype and not np.asarray(out, np.float32).any()
+
+
 @pytest.mark.parametrize("k", [6, 7])
 def test_packed_layout_is_as_documented(k):
     n = 40
