@@ -51,6 +51,12 @@ constexpr int64_t kMaxPanelsPerRun = 16;
 constexpr int64_t kPrefetchRows = PFROWS;     // panel rows (pair rows) prefetched ahead
 constexpr int64_t kAheadGroups = 4;           // up to this many row groups prefetch the next panel
 
+// Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
+// it from L3 or memory and prefetches kPrefetchRows ahead into L1 (kNear); with few row groups
+// the calls also fetch the next panel into L2 (kAhead). Later groups find the panel in L2, where
+// the hardware prefetchers do better alone.
+constexpr int kNear = 1, kAhead = 2, kPrefetchModes = 4;
+
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -130,7 +136,7 @@ inline void PrefetchAhead(const char* ahead, int64_t lines, int64_t step) {
   }
 }
 
-template <int R, bool kAhead>
+template <int R, int kPf>
 void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
               const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][2];
@@ -138,9 +144,11 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
 #pragma GCC unroll 2
   for (int64_t i = 0; i < k; ++i) {
     const float* bi = b + i * kNR;
-    _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
-    if constexpr (kAhead) PrefetchAhead(ahead, ahead_lines, i);
+    if constexpr ((kPf & kNear) != 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
+    }
+    if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, i);
     const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * lda + i]);
@@ -184,7 +192,7 @@ inline void PairStep(__m512 (&acc)[R][2], Word&& word, __m512i b0, __m512i b1) {
 #endif
 }
 
-template <int R, bool kAhead>
+template <int R, int kPf>
 void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
                int64_t cols, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][2];
@@ -193,9 +201,11 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
 #pragma GCC unroll 2
   for (int64_t q = 0; q < pairs; ++q) {
     const uint16_t* bq = b + q * 2 * kNR;
-    _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
-    if constexpr (kAhead) PrefetchAhead(ahead, ahead_lines, q);
+    if constexpr ((kPf & kNear) != 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
+    }
+    if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, q);
     PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, _mm512_loadu_si512(bq),
                 _mm512_loadu_si512(bq + 32));
   }
@@ -210,7 +220,7 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
 
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
-template <int R, bool>
+template <int R, int>
 void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
               const char*, int64_t) {
   float acc[R][kNR] = {};
@@ -223,7 +233,7 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
   for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, acc[r], cols * sizeof(float));
 }
 
-template <int R, bool>
+template <int R, int>
 void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
                int64_t cols, const char*, int64_t) {
   float acc[R][kNR] = {};
@@ -249,22 +259,27 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
 #endif
 
 // The micro-kernels of one dtype, with or without prefetching ahead, by row count:
-// MicroTable<T, kAhead>(...)[R - 1].
+// MicroTables<T>()[prefetch mode][R - 1].
 template <typename T>
 using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int64_t, const char*, int64_t);
 
-template <typename T, bool kAhead, int R>
+template <typename T, int kPf, int R>
 constexpr MicroFn<T> MicroFor() {
   if constexpr (std::is_same_v<T, float>) {
-    return &MicroF32<R, kAhead>;
+    return &MicroF32<R, kPf>;
   } else {
-    return &MicroBf16<R, kAhead>;
+    return &MicroBf16<R, kPf>;
   }
 }
 
-template <typename T, bool kAhead, size_t... I>
-constexpr std::array<MicroFn<T>, sizeof...(I)> MicroTable(std::index_sequence<I...>) {
-  return {MicroFor<T, kAhead, static_cast<int>(I) + 1>()...};
+template <typename T, int kPf, size_t... R>
+constexpr std::array<MicroFn<T>, kMR> MicroTable(std::index_sequence<R...>) {
+  return {MicroFor<T, kPf, static_cast<int>(R) + 1>()...};
+}
+
+template <typename T, size_t... Pf>
+constexpr std::array<std::array<MicroFn<T>, kMR>, kPrefetchModes> MicroTables(std::index_sequence<Pf...>) {
+  return {MicroTable<T, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,8 +326,7 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
 // Units [u0, u1): one row block's panels at a time.
 template <typename T>
 void RunUnits(const Job<T>& job, int64_t u0, int64_t u1) {
-  static constexpr auto kPlain = MicroTable<T, false>(std::make_index_sequence<kMR>());
-  static constexpr auto kAhead = MicroTable<T, true>(std::make_index_sequence<kMR>());
+  static constexpr auto kTables = MicroTables<T>(std::make_index_sequence<kPrefetchModes>());
   const Plan& p = job.plan;
   const int64_t panel_lines = p.k * kNR * static_cast<int64_t>(sizeof(T)) / 64;
   for (int64_t u = u0; u < u1; ++u) {
@@ -326,12 +340,12 @@ void RunUnits(const Job<T>& job, int64_t u0, int64_t u1) {
     const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
     const bool ahead = u + 1 < u1 && panel + 1 < p.panels && groups <= kAheadGroups;
     const int64_t share = ahead ? (panel_lines + groups - 1) / groups : 0;
-    const auto& table = ahead ? kAhead : kPlain;
     int64_t g = 0;
     ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
-      const int64_t first = std::min(panel_lines, g++ * share);
-      table[r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
-                    cols, next + 64 * first, std::min(share, panel_lines - first));
+      const int64_t first = std::min(panel_lines, g * share);
+      const int mode = (g++ == 0 ? kNear : 0) | (ahead ? kAhead : 0);
+      kTables[mode][r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
+                           cols, next + 64 * first, std::min(share, panel_lines - first));
     });
   }
 }
