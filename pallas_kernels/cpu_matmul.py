@@ -25,35 +25,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import pathlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 _TARGET = "jaxpaged_matmul_cpu"
-_LIBRARY_STEM = "_matmul_cpu"
+_LIBRARY = "pallas_kernels._matmul_cpu"
 PANEL = 32  # columns per packed panel
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _library_path() -> pathlib.Path | None:
-    here = pathlib.Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{_LIBRARY_STEM}{suffix}"
-        if path.exists():
-            return path
-    return None
 
 
 @functools.cache
 def native_matmul_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    path = _library_path()
-    if path is None:
+    spec = importlib.util.find_spec(_LIBRARY)  # finds the shared library without importing it
+    if spec is None or spec.origin is None:
         return False
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    lib = ctypes.cdll.LoadLibrary(spec.origin)
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedMatmulCpu), platform="cpu")
     return True
 
@@ -106,7 +96,7 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     n = int(n)
     if packed.shape[1] != x.shape[1]:
         raise ValueError(f"K does not match: x has {x.shape[1]} columns, the packed weight {packed.shape[1]} rows")
-    if n <= 0 or -(-n // PANEL) != packed.shape[0]:
+    if n < 0 or -(-n // PANEL) != packed.shape[0]:
         raise ValueError(f"n={n} does not match the packed weight's {packed.shape[0]} panels of {PANEL} columns")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), dtype))
     return call(x, packed)
