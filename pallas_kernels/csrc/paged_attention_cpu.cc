@@ -29,7 +29,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JAXPAGED_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -44,6 +45,9 @@ constexpr int kDecodeKeys = 16;    // keys per online-softmax step in decode: on
 constexpr int kTileKeys = 32;      // keys per online-softmax step in a prefill tile
 constexpr int kTileRows = 48;      // query rows per prefill tile: 3 vectors, the score kernel's width
 constexpr int kMinSplitKeys = 64;  // smallest key range worth a work item of its own
+// Estimated cycles (see WorkItem::cost) below which a call runs on the caller's thread alone:
+// waking a pool thread costs ~5-30 us here, more than it saves on smaller calls.
+constexpr double kParallelCost = 150e3;
 
 // Fully unrolled small loops let GCC keep arrays of accumulators in registers (without it,
 // they are stored to the stack on every iteration).
@@ -55,7 +59,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // The kernels are written against this small set of operations: AVX-512 when the compiler
 // targets it (the build uses -march=native), else plain loops over 16 floats.
 
-#if defined(__AVX512F__)
+#if JAXPAGED_AVX512
 
 using Vec = __m512;
 using Mask = __mmask16;
@@ -64,6 +68,9 @@ inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Set1(float x) { return _mm512_set1_ps(x); }
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec LoadMasked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec LoadMasked(const uint16_t* p, Mask m) {  // bfloat16 -> float32: the high 16 bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
@@ -108,6 +115,26 @@ inline Vec SumEach16(const Vec (&acc)[16]) {
   return _mm512_permutexvar_ps(order, d);
 }
 
+// In place: r[j][i] becomes r[i][j] (interleave 32-bit, then 64-bit pairs, then 128-bit blocks twice).
+inline void Transpose16(Vec (&r)[16]) {
+  Vec t[16], u[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {  // u[i + c] holds column 4b + c of rows i..i+3 in block b
+      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+      u[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      u[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int c = 0; c < 4; ++c) {
+    const Vec v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const Vec w0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[4 + c] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
 #else  // portable fallback
 
 struct Vec {
@@ -125,6 +152,14 @@ inline Vec Zero() { return Map([](int) { return 0.f; }); }
 inline Vec Set1(float x) { return Map([x](int) { return x; }); }
 inline Vec Load(const float* p) { return Map([p](int i) { return p[i]; }); }
 inline Vec LoadMasked(const float* p, Mask m) { return Map([p, m](int i) { return m >> i & 1 ? p[i] : 0.f; }); }
+inline Vec LoadMasked(const uint16_t* p, Mask m) {
+  return Map([p, m](int i) {
+    const uint32_t bits = m >> i & 1 ? uint32_t{p[i]} << 16 : 0u;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  });
+}
 inline void Store(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
 inline Vec Add(Vec a, Vec b) { return Map([&](int i) { return a.v[i] + b.v[i]; }); }
 inline Vec Sub(Vec a, Vec b) { return Map([&](int i) { return a.v[i] - b.v[i]; }); }
@@ -147,6 +182,10 @@ inline float ReduceAdd(Vec v) {
 inline void Prefetch(const void*) {}
 inline Vec Exp(Vec x) { return Map([&](int i) { return x.v[i] < -87.f ? 0.f : std::exp(x.v[i]); }); }
 inline Vec SumEach16(const Vec (&acc)[16]) { return Map([&](int k) { return ReduceAdd(acc[k]); }); }
+inline void Transpose16(Vec (&r)[16]) {
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < i; ++j) std::swap(r[i].v[j], r[j].v[i]);
+}
 
 #endif
 
@@ -158,14 +197,8 @@ inline Vec SoftCap(Vec s, float cap) {
   return Mul(Set1(cap), Sub(Set1(1.f), Div(Set1(2.f), Add(e, Set1(1.f)))));
 }
 
-// ------------------------------------------------------------------------------ dtypes
-
-inline float Bf16ToF32(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+// ------------------------------------------------------------------------------ output dtypes
+// (inputs are widened to float32 by LoadMasked)
 
 inline uint16_t F32ToBf16(float f) {
   uint32_t bits;
@@ -175,8 +208,6 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-inline float ToF32(float x) { return x; }
-inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
 inline void FromF32(float x, float* dst) { *dst = x; }
 inline void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
 
@@ -200,7 +231,7 @@ struct WorkItem {
   int32_t h0, h1;       // kv heads
   int32_t k0, k1;       // keys [k0, k1)
   int32_t part;         // >= 0: a decode row split by keys; its softmax state goes to partial slot `part`
-  double cost;          // estimated time, for ordering and splitting
+  double cost;          // estimated cycles, ~ FMAs of 16 lanes plus memory traffic
 };
 
 // Per-thread scratch: Carve({n0, n1, ...}) hands out float arrays of those sizes, each starting
@@ -249,7 +280,7 @@ void HeadRows(const Problem& p, const T* const* rows, int64_t n, int64_t offset,
     } else {
       float* dst = buf + i * p.dpad;
       if (i < n)
-        for (int64_t e = 0; e < p.d; ++e) dst[e] = ToF32(rows[i][offset + e]);
+        for (int64_t e = 0; e < p.d; e += kLanes) Store(dst + e, LoadMasked(rows[i] + offset + e, FirstLanes(p.d - e)));
       out[i] = i < n ? dst : buf;
     }
   }
@@ -394,10 +425,14 @@ void TileItem(const Problem& p, const WorkItem& w, const T* q, const T* k_layer,
   for (int64_t h = w.h0; h < w.h1; ++h) {
     const T* src[kTileRows];
     for (int64_t i = 0; i < rows; ++i) src[i] = q + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
-    for (int64_t e = 0; e < d; ++e) {
-      for (int64_t i = 0; i < rows; ++i) qt[e * ld + i] = ToF32(src[i][e]) * p.scale;
-      std::fill(qt + e * ld + rows, qt + (e + 1) * ld, 0.f);
-    }
+    for (int64_t i0 = 0; i0 < ld; i0 += kLanes)
+      for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+        Vec r[kLanes];
+        UNROLL for (int i = 0; i < kLanes; ++i)
+          r[i] = i0 + i < rows ? Mul(LoadMasked(src[i0 + i] + e0, FirstLanes(d - e0)), Set1(p.scale)) : Zero();
+        Transpose16(r);
+        for (int64_t e = 0; e < std::min<int64_t>(kLanes, d - e0); ++e) Store(qt + (e0 + e) * ld + i0, r[e]);
+      }
     std::fill(m, m + ld, kNegInf);
     std::fill(l, l + ld, 0.f);
     std::fill(o, o + rows * p.dpad, 0.f);
@@ -466,10 +501,9 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
   // qs: scaled queries zero-padded to dpad; s: probabilities s[row][key].
   const auto [qs, m, l, alpha, s, o, kbuf, vbuf] =
       sc.Carve({rows * dpad, rows, rows, rows, rows * kDecodeKeys, rows * dpad, kDecodeKeys * dpad, kDecodeKeys * dpad});
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* src = q + (w.t0 * p.hq + row0 + i) * d;
-    for (int64_t e = 0; e < dpad; ++e) qs[i * dpad + e] = e < d ? ToF32(src[e]) * p.scale : 0.f;
-  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t e = 0; e < dpad; e += kLanes)
+      Store(qs + i * dpad + e, Mul(LoadMasked(q + (w.t0 * p.hq + row0 + i) * d + e, FirstLanes(d - e)), Set1(p.scale)));
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
   std::fill(o, o + rows * dpad, 0.f);
@@ -556,9 +590,11 @@ void MergeParts(const Problem& p, const float* parts, int64_t count, T* out) {
 
 // ------------------------------------------------------------------------------ scheduling
 
-// Work items of every live row, plus (first part, count, token) of each split decode row.
+// Work items of every live row, largest first, plus (first part, count, token) of each split
+// decode row, and how many threads to run them on.
 struct Plan {
   std::vector<WorkItem> items;
+  int64_t threads = 1;
   struct Split {
     int32_t part, count, token;
   };
@@ -578,28 +614,30 @@ Plan MakePlan(const Problem& p, int64_t rows, int64_t workers) {
       const int64_t k1 = std::max<int64_t>(0, p.Position(r, t1 - 1) + 1);
       const int32_t k0 = static_cast<int32_t>(std::min(k1, p.FirstKey(p.Position(r, t0))));
       const int64_t nkeys = k1 - k0;
-      if (t1 - t0 == 1) {  // a decode row: ~ one score vector per key and kv head, memory bound
+      if (t1 - t0 == 1) {  // a decode row: per key and kv head, scores and P @ V for G queries and its K/V bytes
+        const double per_key = p.hkv * (2 * p.g * p.dpad / kLanes + p.d);
         const WorkItem w{static_cast<int32_t>(r), t0, t1, 0, static_cast<int32_t>(p.hkv), k0,
-                         static_cast<int32_t>(k1), -1, static_cast<double>(nkeys * p.hkv) + 64.};
+                         static_cast<int32_t>(k1), -1, nkeys * per_key + 1000.};
         decode.push_back(w);
         total += w.cost;
         continue;
       }
       const int64_t nqv = ((t1 - t0) * p.g + kLanes - 1) / kLanes;
-      for (int32_t h = 0; h < p.hkv; ++h) {
+      for (int32_t h = 0; h < p.hkv; ++h) {  // per key, D FMAs per query vector for S^T and as many for P @ V
         plan.items.push_back({static_cast<int32_t>(r), t0, t1, h, h + 1, k0, static_cast<int32_t>(k1), -1,
-                              static_cast<double>(nkeys * nqv * 2) + 64.});
+                              static_cast<double>(nkeys * nqv * 2 * p.d) + 1000.});
         total += plan.items.back().cost;
       }
     }
   }
+  plan.threads = total >= kParallelCost ? workers : 1;
   // Long decode rows are split into key ranges (multiples of kDecodeKeys) until every item is at most
   // 1/4 of a thread's share, so that a batch of few rows still keeps every thread busy.
-  const double limit = total / (4. * workers);
+  const double limit = total / (4. * plan.threads);
   for (const WorkItem& w : decode) {
     const int64_t nkeys = w.k1 - w.k0;
-    const int64_t pieces = workers > 1 ? std::min<int64_t>(static_cast<int64_t>(w.cost / limit), nkeys / kMinSplitKeys)
-                                       : 1;
+    const int64_t pieces =
+        plan.threads > 1 ? std::min<int64_t>(static_cast<int64_t>(w.cost / limit), nkeys / kMinSplitKeys) : 1;
     if (pieces <= 1) {
       plan.items.push_back(w);
       continue;
@@ -645,7 +683,7 @@ void RunAll(const Problem& p, const Plan& plan, const T* q, const T* k_layer, co
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  const int64_t helpers = std::min<int64_t>(plan.threads, n) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([state, work, n]() {
       if (state->next.load() < n) work();
