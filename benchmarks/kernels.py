@@ -6,7 +6,10 @@
                                                   with Triton, without an accelerator
 
 On CPU the Pallas kernel runs in interpret mode (a Python-built XLA loop), so its timings say
-nothing about GPU/TPU speed. On a GPU/TPU the table adds achieved GB/s against the HBM peak.
+nothing about GPU/TPU speed; ``cpu`` is the native C++ kernel. The table adds the platform
+kernel's (``cpu`` or ``pallas``) achieved GB/s of live K/V and queries and its attention GFLOP/s;
+on a GPU/TPU also the share of the HBM peak. ``--quick`` leaves out the slow backends (the jnp
+reference, and the Pallas interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -173,7 +176,9 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     kv = jnp.asarray(rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, head_dim)), dtype)
     q = jnp.asarray(rng.standard_normal((T, q_heads, head_dim)), dtype)
     live_bytes = int(ctx.sum()) * 2 * kv_heads * head_dim * kv.dtype.itemsize + 2 * q.nbytes
-    return q, kv, md, live_bytes
+    # QK^T and PV: 4 * Hq * D per (query token, visible key); token i of a chunk of n sees ctx - n + i + 1 keys.
+    visible = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens.tolist(), ctx.tolist()))
+    return q, kv, md, live_bytes, 4 * q_heads * head_dim * visible
 
 
 def _time_call(fn, *args, iters: int) -> float:
@@ -201,13 +206,16 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
     from pallas_kernels.cpu_attention import native_kernel_available
 
-    native = ["cpu"] if on_cpu and native_kernel_available() else []
-    backends = [*native, "xla", "pallas_interpret" if on_cpu else "pallas", "reference"]
+    kernel = "cpu" if on_cpu else "pallas"  # the platform's own kernel: the one the figures below are for
+    if on_cpu and not native_kernel_available():
+        kernel = None
+    slow = ["pallas_interpret", "reference"] if on_cpu else ["reference"]
+    backends = [b for b in (kernel, "xla", *slow) if b is not None and not (quick and b in slow)]
     shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
-    workloads = [("decode", 1, 512), ("decode", 8, 512), ("decode", 32, 512), ("decode", 8, 2048),
-                 ("prefill 512", 1, 512), ("mixed 8x1 + 256", 8, 1024)]
-    if quick:
-        workloads = workloads[:2]
+    # (kind, rows, context): decode rows of one token; one prefill chunk of `context` tokens from
+    # position 0; 448 prompt tokens next to `rows` decode rows (one chunked-prefill step).
+    workloads = [("decode", 1, 2048), ("decode", 8, 256), ("decode", 64, 256), ("decode", 64, 512),
+                 ("prefill", 1, 512), ("mixed +448", 64, 256)]
     if not on_cpu:
         workloads += [("decode", 256, 4096)]
     print(f"platform: {platform} ({device.device_kind}), dtype {jnp.dtype(dtype).name}, "
@@ -217,35 +225,37 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
         print("CPU: cpu is the native C++ kernel (the default CPU backend); pallas_interpret is the Pallas "
               "kernel run by the interpreter, its timings are not "
               "representative of GPU/TPU kernels.")
-    header = f"{'workload':<18}{'batch':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
-    print(header + ("    achieved GB/s (% of peak)" if not on_cpu else ""))
+    header = f"{'workload':<12}{'rows':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
+    if kernel is not None:
+        header += f"    {kernel} GB/s" + (" (% of peak)" if peak else "") + "  GFLOP/s"
+    print(header)
     results = []
     for kind, batch, context in workloads:
         if kind == "decode":
             rows = [(1, context)] * batch
-        elif kind.startswith("prefill"):
+        elif kind == "prefill":
             rows = [(context, context)]
         else:
-            rows = [(1, context)] * batch + [(256, 768)]
-        q, kv, md, live_bytes = _batch(rows, dtype=dtype, **shapes)
-        cells, best = [], None
+            rows = [(1, context)] * batch + [(448, 448)]
+        q, kv, md, live_bytes, flops = _batch(rows, dtype=dtype, **shapes)
+        cells = []
         results.append({"platform": platform, "device": device.device_kind, "workload": kind, "batch": batch,
-                        "context": context, "live_bytes": live_bytes, "ms": {}})
+                        "context": context, "live_bytes": live_bytes, "attention_flops": flops, "ms": {}})
         for backend in backends:
             if backend == "reference":
                 fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
             else:
                 fn = jax.jit(functools.partial(paged_attention, backend=backend, scale=0.125))
             sec = _time_call(fn, q, kv, jnp.int32(0), md, iters=iters)
-            cells.append(f"{sec * 1e3:>15.2f} ms")
+            cells.append(f"{sec * 1e3:>15.3f} ms")
             results[-1]["ms"][backend] = sec * 1e3
-            if backend == "pallas":
-                best = sec
-        line = f"{kind:<18}{batch:>6}{context:>8}  " + "".join(cells)
-        if best is not None:
-            gbs = live_bytes / best / 1e9
-            line += f"    {gbs:8.1f}" + (f" ({live_bytes / best / peak:.0%})" if peak else "")
+        line = f"{kind:<12}{batch:>6}{context:>8}  " + "".join(cells)
+        if kernel is not None:
+            sec = results[-1]["ms"][kernel] / 1e3
+            gbs = live_bytes / sec / 1e9
+            line += f"    {gbs:8.1f}" + (f" ({live_bytes / sec / peak:.0%})" if peak else "") + f"  {flops / sec / 1e9:7.1f}"
             results[-1]["achieved_gb_s"] = gbs
+            results[-1]["achieved_gflop_s"] = flops / sec / 1e9
         print(line)
     return results
 
@@ -304,7 +314,7 @@ pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
 failed = 0
 for hq, hkv, d, bs, dtype in ((9, 3, 64, 16, jnp.bfloat16), (32, 8, 128, 16, jnp.bfloat16),
                                (32, 8, 128, 32, jnp.float32), (8, 8, 128, 8, jnp.bfloat16)):
-    q, kv, md, _ = _batch([(1, 300), (40, 100)], block_size=bs, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype)
+    q, kv, md, _, _ = _batch([(1, 300), (40, 100)], block_size=bs, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype)
     f = functools.partial(ragged_paged_attention, scale=0.125, sliding_window=256, soft_cap=30.0)
     jax.jit(f).trace(q, kv, jnp.int32(0), md).lower(lowering_platforms=("cuda",))
     with tempfile.NamedTemporaryFile("w", suffix=".ttir") as ttir:
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libtpu", help="directory holding the libtpu package (for --compile-check)")
     parser.add_argument("--triton", help="directory holding the triton package (for --compile-check)")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per backend and workload")
-    parser.add_argument("--quick", action="store_true", help="only the two smallest workloads")
+    parser.add_argument("--quick", action="store_true",
+                        help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)")
     args = parser.parse_args(argv)
     if args.roofline:
         print(ridge_points())
