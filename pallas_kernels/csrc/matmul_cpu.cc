@@ -27,6 +27,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -286,9 +287,11 @@ constexpr std::array<std::array<MicroFn<T>, kMR>, kPrefetchModes> MicroTables(st
 // Work split and execution.
 
 // The work is a list of units (row block, panel), row-block major. Workers claim runs of
-// consecutive units: big runs first (a weight stream of many contiguous panels), shrinking to
-// single panels at the end, so that a worker that starts late or loses its core to another
-// process holds up the others by at most one small run.
+// consecutive units from a shared counter: big runs first (a weight stream of many contiguous
+// panels), shrinking to single panels at the end. A worker takes the units of its run one at a
+// time, and once the counter is exhausted the others steal the back half of what it has not
+// started: a worker that starts late or loses its core to another process holds up the others
+// by at most the unit it is in.
 struct Plan {
   int64_t m, k, n, panels;
   int64_t block_rows;  // rows per row block (the last one may be shorter)
@@ -323,74 +326,115 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
   }
 }
 
-// Units [u0, u1): one row block's panels at a time.
+// Unit u; `more` if the same worker will most likely run u + 1 next.
 template <typename T>
-void RunUnits(const Job<T>& job, int64_t u0, int64_t u1) {
+void RunUnit(const Job<T>& job, int64_t u, bool more) {
   static constexpr auto kTables = MicroTables<T>(std::make_index_sequence<kPrefetchModes>());
   const Plan& p = job.plan;
   const int64_t panel_lines = p.k * kNR * static_cast<int64_t>(sizeof(T)) / 64;
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t rb = u / p.panels, panel = u % p.panels;
-    const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
-    const int64_t groups = (rows + kMR - 1) / kMR;
-    const T* b = job.w + panel * p.k * kNR;
-    const int64_t cols = std::min(kNR, p.n - panel * kNR);
-    // With few row groups (the weight is read from memory about as fast as it is used), each
-    // group prefetches its share of this run's next panel into L2.
-    const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
-    const bool ahead = u + 1 < u1 && panel + 1 < p.panels && groups <= kAheadGroups;
-    const int64_t share = ahead ? (panel_lines + groups - 1) / groups : 0;
-    int64_t g = 0;
-    ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
-      const int64_t first = std::min(panel_lines, g * share);
-      const int mode = (g++ == 0 ? kNear : 0) | (ahead ? kAhead : 0);
-      kTables[mode][r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
-                           cols, next + 64 * first, std::min(share, panel_lines - first));
-    });
-  }
+  const int64_t rb = u / p.panels, panel = u % p.panels;
+  const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
+  const int64_t groups = (rows + kMR - 1) / kMR;
+  const T* b = job.w + panel * p.k * kNR;
+  const int64_t cols = std::min(kNR, p.n - panel * kNR);
+  // With few row groups (the weight is read from memory about as fast as it is used), each
+  // group prefetches its share of the next panel into L2.
+  const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
+  const bool ahead = more && panel + 1 < p.panels && groups <= kAheadGroups;
+  const int64_t share = ahead ? (panel_lines + groups - 1) / groups : 0;
+  int64_t g = 0;
+  ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
+    const int64_t first = std::min(panel_lines, g * share);
+    const int mode = (g++ == 0 ? kNear : 0) | (ahead ? kAhead : 0);
+    kTables[mode][r - 1](job.x + (row0 + r0) * p.k, p.k, b, p.k, job.out + (row0 + r0) * p.n + panel * kNR, p.n,
+                         cols, next + 64 * first, std::min(share, panel_lines - first));
+  });
 }
+
+// A worker's unstarted units [begin, end) in one word, so that its owner (taking from the front)
+// and thieves (taking the back half) agree through compare-and-swap.
+struct alignas(64) Range {
+  std::atomic<uint64_t> word{0};
+  static uint64_t Pack(int64_t begin, int64_t end) {
+    return static_cast<uint64_t>(begin) | static_cast<uint64_t>(end) << 32;
+  }
+  static int64_t Begin(uint64_t w) { return static_cast<int64_t>(w & 0xffffffffu); }
+  static int64_t End(uint64_t w) { return static_cast<int64_t>(w >> 32); }
+};
 
 // Shared by the caller and the pool tasks; the caller returns once every unit is done. Tasks
 // that start late find nothing left and only touch `state`.
 struct SharedState {
-  std::atomic<int64_t> next{0};
+  explicit SharedState(int64_t workers) : ranges(workers) {}
+  std::atomic<int64_t> next{0};  // first unit not yet handed out
   std::atomic<int64_t> done{0};
+  std::atomic<int64_t> joined{0};
+  std::vector<Range> ranges;     // one per worker
 };
+
+// Gives `mine` a new run: from the shared counter, else the back half of another worker's
+// unstarted units. False when there is nothing left to start.
+inline bool Refill(SharedState& s, Range& mine, int64_t n, int64_t share) {
+  for (int64_t u0 = s.next.load(); u0 < n;) {
+    const int64_t u1 = u0 + std::clamp<int64_t>((n - u0) / share, 1, kMaxPanelsPerRun);
+    if (s.next.compare_exchange_weak(u0, u1)) {  // on failure u0 holds the current value
+      mine.word.store(Range::Pack(u0, u1));
+      return true;
+    }
+  }
+  for (Range& other : s.ranges) {
+    uint64_t w = other.word.load();
+    while (Range::Begin(w) < Range::End(w)) {
+      const int64_t begin = Range::Begin(w), end = Range::End(w), mid = begin + (end - begin) / 2;
+      if (other.word.compare_exchange_weak(w, Range::Pack(begin, mid))) {
+        mine.word.store(Range::Pack(mid, end));
+        return true;
+      }
+    }
+  }
+  return false;
+}
 
 template <typename T, typename Pool>
 void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
   const Job<T> job{plan, x, w, out};
   const int64_t n = plan.units, share = 2 * plan.workers;
-  auto state = std::make_shared<SharedState>();
-  auto work = [state, &job, n, share]() {
-    int64_t u0 = state->next.load();
-    while (u0 < n) {
-      const int64_t u1 = u0 + std::clamp<int64_t>((n - u0) / share, 1, kMaxPanelsPerRun);
-      if (!state->next.compare_exchange_weak(u0, u1)) continue;  // u0 now holds the current value
-      RunUnits(job, u0, u1);
-      state->done.fetch_add(u1 - u0, std::memory_order_release);
-      u0 = state->next.load();
-    }
-  };
   const int64_t helpers = std::min<int64_t>(plan.workers, n) - 1;
+  auto state = std::make_shared<SharedState>(helpers + 1);
+  auto work = [state, &job, n, share]() {
+    SharedState& s = *state;
+    Range& mine = s.ranges[s.joined.fetch_add(1)];
+    do {
+      for (uint64_t r = mine.word.load(); Range::Begin(r) < Range::End(r);) {
+        const int64_t u = Range::Begin(r), end = Range::End(r);
+        if (!mine.word.compare_exchange_weak(r, Range::Pack(u + 1, end))) continue;
+        RunUnit(job, u, u + 1 < end);
+        s.done.fetch_add(1, std::memory_order_release);
+        r = mine.word.load();
+      }
+    } while (Refill(s, mine, n, share));
+  };
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([state, work, n]() {
-      if (state->next.load() < n) work();
+      if (state->done.load() < n) work();
     });
   }
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// False if the problem has too many units for Range's 32-bit halves (N over 2^36 / M columns).
 template <typename T, typename Pool>
-void Gemm(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
-  if (m == 0 || n == 0) return;
+bool Gemm(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
+  if (m == 0 || n == 0) return true;
   if (k == 0) {
     std::memset(out, 0, m * n * sizeof(T));
-    return;
+    return true;
   }
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  RunGemm(MakePlan(m, k, n, sizeof(T), workers), x, w, out, pool);
+  const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
+  if (plan.units >= (int64_t{1} << 31)) return false;
+  RunGemm(plan, x, w, out, pool);
+  return true;
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
@@ -404,19 +448,20 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
     return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out shapes do not agree");
   if (x.element_type() != packed.element_type() || out->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out must share a dtype");
+  bool ok;
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      Gemm(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(packed.untyped_data()),
-           static_cast<float*>(out->untyped_data()), m, k, n, pool);
+      ok = Gemm(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(packed.untyped_data()),
+                static_cast<float*>(out->untyped_data()), m, k, n, pool);
       break;
     case ffi::DataType::BF16:
-      Gemm(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(packed.untyped_data()),
-           static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
+      ok = Gemm(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(packed.untyped_data()),
+                static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
       break;
     default:
       return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
   }
-  return ffi::Error::Success();
+  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument("matmul_cpu: problem too large");
 }
 
 }  // namespace
