@@ -11,11 +11,12 @@
 //
 // A micro-kernel keeps an R x 32 tile of out in 2R vector registers (R <= kMR = 12) and walks K
 // once: per k (per pair for bfloat16) it loads one panel row (two vectors) and broadcasts one
-// value (pair) from each of its R rows of x. The work is (block of rows) x (chunk of panels)
-// items spread over XLA's intra-op pool: with few rows there is one row block and each weight
+// value (pair) from each of its R rows of x. A unit of work is one panel for one block of rows,
+// in near-equal row groups of at most kMR: with few rows there is one row block and each weight
 // panel is streamed from memory exactly once, for all rows; with many rows the row blocks are
-// sized to stay in L2, and a panel stays in L2 across the micro-kernel calls of one row block.
-// Accumulation is in float32; bfloat16 results are rounded to nearest even.
+// sized to stay in L2, and a panel stays in L2 across the row groups of its unit. Units are spread
+// over XLA's intra-op thread pool (see RunGemm). Accumulation is in float32; bfloat16 results are
+// rounded to nearest even.
 
 #include <algorithm>
 #include <array>
@@ -39,18 +40,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kNR = 32;                 // columns per weight panel
-constexpr int kMR = 12;                     // most rows per micro-kernel call
-#ifndef ROWBLOCK
-#define ROWBLOCK (448 << 10)
-#endif
-#ifndef PFROWS
-#define PFROWS 8
-#endif
-constexpr int64_t kRowBlockBytes = ROWBLOCK;  // rows of x per row block (kept in L2)
-constexpr int64_t kMaxPanelsPerRun = 16;
-constexpr int64_t kPrefetchRows = PFROWS;     // panel rows (pair rows) prefetched ahead
-constexpr int64_t kAheadGroups = 4;           // up to this many row groups prefetch the next panel
+constexpr int64_t kNR = 32;                    // columns per weight panel
+constexpr int kMR = 12;                        // most rows per micro-kernel call
+constexpr int64_t kRowBlockBytes = 448 << 10;  // rows of x per row block (kept in L2)
+constexpr int64_t kMaxPanelsPerRun = 16;       // most units a worker claims at once
+constexpr int64_t kPrefetchRows = 8;           // panel rows (pair rows) prefetched ahead into L1
+constexpr int64_t kAheadGroups = 4;            // up to this many row groups prefetch the next panel
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
 // it from L3 or memory and prefetches kPrefetchRows ahead into L1 (kNear); with few row groups
@@ -74,7 +69,8 @@ inline uint16_t F32ToBf16(float f) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Micro-kernels: out[R, cols] = a (packed rows) @ b (one panel), cols <= kNR, row stride ldc.
+// Micro-kernels: out[R, cols] = a[R, k] (rows of x, stride lda) @ b (one panel), cols <= kNR,
+// out's row stride ldc.
 
 #if defined(__AVX512F__)
 
