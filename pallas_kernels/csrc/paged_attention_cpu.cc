@@ -498,14 +498,18 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
   const int64_t g = p.g, d = p.d, dpad = p.dpad;
   const int64_t rows = (w.h1 - w.h0) * g, row0 = w.h0 * g;  // query heads [row0, row0 + rows)
   const int32_t* table = p.block_tables + w.row * p.width;
-  // qs: scaled queries zero-padded to dpad; s: probabilities s[row][key].
-  const auto [qs, m, l, alpha, s, o, kbuf, vbuf] =
-      sc.Carve({rows * dpad, rows, rows, rows, rows * kDecodeKeys, rows * dpad, kDecodeKeys * dpad, kDecodeKeys * dpad});
+  // qs: scaled queries zero-padded to dpad; s: probabilities s[row][key]; m, l, alpha, sum are
+  // read in whole vectors (Carve rounds their sizes up).
+  const auto [qs, m, l, alpha, sum, s, o, kbuf, vbuf] = sc.Carve(
+      {rows * dpad, rows, rows, rows, rows, rows * kDecodeKeys, rows * dpad, kDecodeKeys * dpad, kDecodeKeys * dpad});
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t e = 0; e < dpad; e += kLanes)
       Store(qs + i * dpad + e, Mul(LoadMasked(q + (w.t0 * p.hq + row0 + i) * d + e, FirstLanes(d - e)), Set1(p.scale)));
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
+  const int64_t rows_padded = (rows + kLanes - 1) / kLanes * kLanes;
+  std::fill(m, m + rows_padded, kNegInf);
+  std::fill(l, l + rows_padded, 0.f);
+  std::fill(alpha, alpha + rows_padded, 0.f);
+  std::fill(sum, sum + rows_padded, 0.f);
   std::fill(o, o + rows * dpad, 0.f);
 
   const T* krows[kDecodeKeys];
@@ -534,7 +538,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
       HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
       for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i) Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
     }
-    // Online softmax of every row at once: independent chains of horizontal reductions overlap.
+    // Online softmax of every row at once: independent chains of horizontal reductions overlap,
+    // and the rescaling factors are exponentiated 16 rows at a time.
     const Mask live = FirstLanes(nk);
     for (int64_t i = 0; i < rows; ++i) {
       Vec x = Load(s + i * kDecodeKeys);
@@ -542,10 +547,15 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
       x = Select(live, x, Set1(kNegInf));
       const float mx = std::max(m[i], ReduceMax(x));
       const Vec e = Exp(Sub(x, Set1(mx)));
-      alpha[i] = std::exp(m[i] - mx);
-      l[i] = l[i] * alpha[i] + ReduceAdd(e);
-      m[i] = mx;
       Store(s + i * kDecodeKeys, e);
+      alpha[i] = m[i] - mx;
+      sum[i] = ReduceAdd(e);
+      m[i] = mx;
+    }
+    for (int64_t i = 0; i < rows; i += kLanes) {
+      const Vec a = Exp(Load(alpha + i));
+      Store(alpha + i, a);
+      Store(l + i, Fma(Load(l + i), a, Load(sum + i)));
     }
     for (int64_t h = w.h0; h < w.h1; ++h) {
       const int64_t i0 = (h - w.h0) * g;
