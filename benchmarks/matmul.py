@@ -4,7 +4,7 @@ For each weight shape of SmolLM2-135M (fused qkv 576x960, o 576x576, fused gate/
 down 1536x576, LM head 576x49152) and each M, times one jitted call of XLA float32, XLA bfloat16,
 native float32 and native bfloat16 (and torch bfloat16 with ``--torch``) in this one process,
 alternating the variants call by call, and reports the median ms, GFLOP/s and GB/s of weights
-(weight bytes / time: the streaming rate that bounds small M). ``--cold`` cycles through enough
+(weight bytes / time: the streaming rate that bounds small M); the JSON also has the fastest call. ``--cold`` cycles through enough
 copies of each weight (>= 96 MiB) that the weights come from memory, not the 32 MiB L3, as they do
 when a model's layers run one after another.
 """
@@ -58,8 +58,8 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
     return out
 
 
-def _time_alternating(variants: dict, iters: int, copies: int) -> dict[str, float]:
-    """Median seconds per call of each variant; the variants take turns call by call."""
+def _time_alternating(variants: dict, iters: int, copies: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant; the variants take turns call by call."""
     times = {name: [] for name in variants}
     for name, (fn, _) in variants.items():  # warm-up: compile, first touch
         _block(fn(0))
@@ -68,7 +68,7 @@ def _time_alternating(variants: dict, iters: int, copies: int) -> dict[str, floa
             t = time.perf_counter()
             _block(fn(it % copies))
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def _block(y):
@@ -85,10 +85,11 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
         copies = max(1, -(-COLD_BYTES // (k * n * 2))) if cold else 1
         for m in ms:
             variants = _variants(k, n, m, copies, with_torch, rng)
-            med = _time_alternating(variants, iters, copies)
+            times = _time_alternating(variants, iters, copies)
             row = {"m": m, "k": k, "n": n, "copies": copies}
-            for name, sec in med.items():
-                row[name] = {"ms": sec * 1e3, "gflops": 2 * m * k * n / sec / 1e9,
+            for name, ts in times.items():
+                sec = statistics.median(ts)
+                row[name] = {"ms": sec * 1e3, "min_ms": min(ts) * 1e3, "gflops": 2 * m * k * n / sec / 1e9,
                              "weight_gbs": variants[name][1] / sec / 1e9}
             rows.append(row)
             _print_row(row, header=len(rows) == 1, with_torch=with_torch)
