@@ -1,12 +1,12 @@
 """Dense matmul on the CPU through a C++ kernel called by XLA's FFI (``csrc/matmul_cpu.cc``).
 
-XLA's CPU dot reaches about two thirds of this CPU's float32 FMA peak, is no faster in bfloat16
+XLA's CPU dot uses the two cores of the development machines unevenly, is no faster in bfloat16
 than in float32 (it does not use ``vdpbf16ps``), and streams weights slowly at small batch. The
 native kernel takes a weight packed once on the host (:func:`pack_weight`) into panels its
-register-blocked micro-kernels read front to back, streams each panel once for all rows when
-there are few rows, and spreads (row block, panel chunk) items over XLA's intra-op thread pool.
-float32 computes in float32; bfloat16 multiplies bfloat16 pairs and accumulates in float32
-(AVX512-BF16 where the CPU has it), then rounds the output to bfloat16 (nearest even).
+register-blocked micro-kernels (12 rows x 32 columns) read front to back, streams each panel once
+for all rows when there are few rows, and spreads (row block, panel) units over XLA's intra-op
+thread pool. float32 computes in float32; bfloat16 multiplies bfloat16 pairs and accumulates in
+float32 (AVX512-BF16 where the CPU has it), then rounds the output to bfloat16 (nearest even).
 
 Packed layout (``pack_weight(w, dtype)`` for ``w[K, N]``): an array ``[P, K, 32]`` of ``dtype``
 with ``P = ceil(N / 32)`` panels of 32 columns, columns past ``N`` zero. Panel ``p`` covers
