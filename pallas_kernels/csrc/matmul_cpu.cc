@@ -44,14 +44,20 @@ constexpr int64_t kNR = 32;                    // columns per weight panel
 constexpr int kMR = 12;                        // most rows per micro-kernel call
 constexpr int64_t kRowBlockBytes = 448 << 10;  // rows of x per row block (kept in L2)
 constexpr int64_t kMaxPanelsPerRun = 16;       // most units a worker claims at once
-constexpr int64_t kPrefetchRows = 8;           // panel rows (pair rows) prefetched ahead into L1
+constexpr int64_t kPrefetchRows = 8;           // panel rows (pair rows) prefetched ahead into L1,
+constexpr int64_t kStreamPrefetchRows = 32;    // or this many when streaming from memory (kAhead)
 constexpr int64_t kAheadGroups = 4;            // up to this many row groups prefetch the next panel
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
-// it from L3 or memory and prefetches kPrefetchRows ahead into L1 (kNear); with few row groups
+// it from L3 or memory and prefetches it into L1 some rows ahead (kNear); with few row groups
 // the calls also fetch the next panel into L2 (kAhead). Later groups find the panel in L2, where
 // the hardware prefetchers do better alone.
 constexpr int kNear = 1, kAhead = 2, kPrefetchModes = 4;
+
+template <int kPf>
+constexpr int64_t NearRows() {
+  return (kPf & kAhead) != 0 ? kStreamPrefetchRows : kPrefetchRows;
+}
 
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -142,8 +148,8 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
   for (int64_t i = 0; i < k; ++i) {
     const float* bi = b + i * kNR;
     if constexpr ((kPf & kNear) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bi + kPrefetchRows * kNR + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bi + NearRows<kPf>() * kNR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bi + NearRows<kPf>() * kNR + 16), _MM_HINT_T0);
     }
     if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, i);
     const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
@@ -199,8 +205,8 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
   for (int64_t q = 0; q < pairs; ++q) {
     const uint16_t* bq = b + q * 2 * kNR;
     if constexpr ((kPf & kNear) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bq + kPrefetchRows * 2 * kNR + 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bq + NearRows<kPf>() * 2 * kNR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bq + NearRows<kPf>() * 2 * kNR + 32), _MM_HINT_T0);
     }
     if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, q);
     PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, _mm512_loadu_si512(bq),
