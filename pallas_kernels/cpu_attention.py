@@ -2,8 +2,10 @@
 
 XLA's CPU backend runs the gather-then-attend formulation of ``xla_attention`` at a few GFLOP/s
 (small batched dots, unvectorized reductions, a copy of every gathered page). The native kernel
-reads the pages in place, each row only up to its own length, and spreads (row, kv head, query
-tile) items over XLA's intra-op thread pool. It is built by ``pip install`` (an optional
+reads the pages in place, each row only up to its own length, with AVX-512 when the build machine
+has it: prefill chunks as register-tiled query tiles per kv head, decode rows streaming each page
+once for all kv heads (long rows split by key ranges when rows are few), spread over XLA's
+intra-op thread pool; see ``docs/roofline.md``. It is built by ``pip install`` (an optional
 extension: without a compiler the install still succeeds and ``auto`` falls back to ``xla``).
 """
 
