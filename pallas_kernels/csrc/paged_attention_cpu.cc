@@ -31,7 +31,13 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define JAXPAGED_AVX512 1
+// GCC 12's AVX-512 intrinsics start from deliberately undefined vectors, which -Wall (as
+// setup.py builds) reports as uninitialized at every use: silenced for that header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #endif
 
 #include "xla/ffi/api/ffi.h"
