@@ -234,7 +234,7 @@ struct Problem {
 
 struct WorkItem {
   int32_t row, t0, t1;  // query tokens [t0, t1) of `row`
-  int32_t h0, h1;       // kv heads
+  int32_t h0, h1;       // kv heads [h0, h1): one for a prefill tile, all for a decode row
   int32_t k0, k1;       // keys [k0, k1)
   int32_t part;         // >= 0: a decode row split by keys; its softmax state goes to partial slot `part`
   double cost;          // estimated cycles, ~ FMAs of 16 lanes plus memory traffic
@@ -295,17 +295,18 @@ void HeadRows(const Problem& p, const T* const* rows, int64_t n, int64_t offset,
 // ------------------------------------------------------------------------------ micro-kernels
 
 // o[i][:] = alpha[i] * o[i][:] + sum_k p[k * ps_k + i * ps_i] * v[k][:] for R rows and NV vectors
-// of the head dimension from vector v0; the accumulators stay in registers over the keys.
+// of the head dimension from vector v0 (V's last one masked by `tail`); the accumulators stay in
+// registers over the keys.
 template <int R, int NV>
 void PvTile(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, const float* const* v, int64_t nk,
-            float* o, int64_t ldo, int64_t v0, Mask tail, bool last) {
+            float* o, int64_t ldo, int64_t v0, Mask tail) {
   Vec acc[R][NV];
   UNROLL for (int i = 0; i < R; ++i)
     UNROLL for (int n = 0; n < NV; ++n) acc[i][n] = Mul(Load(o + i * ldo + (v0 + n) * kLanes), Set1(alpha[i]));
   for (int64_t k = 0; k < nk; ++k) {
     Vec vv[NV];
     UNROLL for (int n = 0; n < NV; ++n)
-      vv[n] = LoadMasked(v[k] + (v0 + n) * kLanes, last && n == NV - 1 ? tail : Mask(0xFFFF));
+      vv[n] = LoadMasked(v[k] + (v0 + n) * kLanes, n == NV - 1 ? tail : Mask(0xFFFF));
     UNROLL for (int i = 0; i < R; ++i) {
       const Vec pk = Set1(p[k * ps_k + i * ps_i]);
       UNROLL for (int n = 0; n < NV; ++n) acc[i][n] = Fma(pk, vv[n], acc[i][n]);
@@ -317,12 +318,12 @@ void PvTile(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, cons
 
 template <int R>
 void PvRows(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, const float* const* v, int64_t nk,
-            float* o, int64_t ldo, int64_t v0, int64_t nv, Mask tail, bool last) {
+            float* o, int64_t ldo, int64_t v0, int64_t nv, Mask tail) {
   switch (nv) {
-    case 1: return PvTile<R, 1>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
-    case 2: return PvTile<R, 2>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
-    case 3: return PvTile<R, 3>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
-    default: return PvTile<R, 4>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail, last);
+    case 1: return PvTile<R, 1>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail);
+    case 2: return PvTile<R, 2>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail);
+    case 3: return PvTile<R, 3>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail);
+    default: return PvTile<R, 4>(p, ps_k, ps_i, alpha, v, nk, o, ldo, v0, tail);
   }
 }
 
@@ -330,20 +331,19 @@ void PvRows(const float* p, int64_t ps_k, int64_t ps_i, const float* alpha, cons
 void AccumulatePv(const Problem& pr, const float* p, int64_t ps_k, int64_t ps_i, const float* alpha,
                   const float* const* v, int64_t nk, float* o, int64_t rows) {
   const int64_t nvec = pr.dpad / kLanes;
-  const Mask tail = FirstLanes(pr.d - (nvec - 1) * kLanes);
   for (int64_t i = 0; i < rows; i += 6) {
     const float* pi = p + i * ps_i;
     float* oi = o + i * pr.dpad;
     for (int64_t v0 = 0; v0 < nvec; v0 += 4) {
       const int64_t nv = std::min<int64_t>(4, nvec - v0);
-      const bool last = v0 + nv == nvec;
+      const Mask tail = v0 + nv == nvec ? FirstLanes(pr.d - (nvec - 1) * kLanes) : Mask(0xFFFF);
       switch (std::min<int64_t>(6, rows - i)) {
-        case 1: PvRows<1>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
-        case 2: PvRows<2>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
-        case 3: PvRows<3>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
-        case 4: PvRows<4>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
-        case 5: PvRows<5>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
-        default: PvRows<6>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail, last); break;
+        case 1: PvRows<1>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
+        case 2: PvRows<2>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
+        case 3: PvRows<3>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
+        case 4: PvRows<4>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
+        case 5: PvRows<5>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
+        default: PvRows<6>(pi, ps_k, ps_i, alpha + i, v, nk, oi, pr.dpad, v0, nv, tail); break;
       }
     }
   }
@@ -405,16 +405,18 @@ Vec Scores16(const Problem& p, const float* q, const float* const* k) {
 }
 
 // ------------------------------------------------------------------------------ prefill tile
+// (one kv head, see MakePlan)
 
 template <typename T>
 void TileItem(const Problem& p, const WorkItem& w, const T* q, const T* k_layer, const T* v_layer, T* out,
               Scratch& sc) {
-  const int64_t g = p.g, d = p.d, nt = w.t1 - w.t0, rows = nt * g;
+  const int64_t g = p.g, d = p.d, h = w.h0, nt = w.t1 - w.t0, rows = nt * g;
   const int64_t nqv = (rows + kLanes - 1) / kLanes, ld = nqv * kLanes;  // rows padded to whole vectors
   const int64_t pos0 = p.Position(w.row, w.t0);
   const int32_t* table = p.block_tables + w.row * p.width;
   // qt: scaled queries transposed, qt[e][t * g + j]; lane i sees keys [lo[i], pos[i]] (padding
-  // lanes none); m, l: running max and sum; s: scores, then probabilities, s[key][lane].
+  // lanes none; positions as floats, exact below 2^24); m, l: running max and sum; s: scores,
+  // then probabilities, s[key][lane].
   const auto [qt, pos, lo, m, l, alpha, s, o, kbuf, vbuf] =
       sc.Carve({d * ld, ld, ld, ld, ld, ld, kTileKeys * ld, rows * p.dpad, kTileKeys * p.dpad, kTileKeys * p.dpad});
   const T* krows[kTileKeys];
@@ -428,68 +430,66 @@ void TileItem(const Problem& p, const WorkItem& w, const T* q, const T* k_layer,
   }
   const int64_t first_full = p.FirstKey(pos0 + nt - 1);  // keys [first_full, pos0] are seen by every row
 
-  for (int64_t h = w.h0; h < w.h1; ++h) {
-    const T* src[kTileRows];
-    for (int64_t i = 0; i < rows; ++i) src[i] = q + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
-    for (int64_t i0 = 0; i0 < ld; i0 += kLanes)
-      for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
-        Vec r[kLanes];
-        UNROLL for (int i = 0; i < kLanes; ++i)
-          r[i] = i0 + i < rows ? Mul(LoadMasked(src[i0 + i] + e0, FirstLanes(d - e0)), Set1(p.scale)) : Zero();
-        Transpose16(r);
-        for (int64_t e = 0; e < std::min<int64_t>(kLanes, d - e0); ++e) Store(qt + (e0 + e) * ld + i0, r[e]);
-      }
-    std::fill(m, m + ld, kNegInf);
-    std::fill(l, l + ld, 0.f);
-    std::fill(o, o + rows * p.dpad, 0.f);
-    for (int64_t c = w.k0; c < w.k1; c += kTileKeys) {
-      const int64_t nk = std::min<int64_t>(kTileKeys, w.k1 - c);
-      KeyRows<kTileKeys>(p, table, k_layer, v_layer, c, nk, krows, vrows);
-      HeadRows<kTileKeys>(p, krows, nk, h * d, kbuf, kr);
-      HeadRows<kTileKeys>(p, vrows, nk, h * d, vbuf, vr);
-      for (int64_t r0 = 0; r0 < nk; r0 += 8)
-        for (int64_t v0 = 0; v0 < nqv; v0 += 3) {
-          float* dst = s + r0 * ld + v0 * kLanes;
-          switch (std::min<int64_t>(3, nqv - v0)) {
-            case 1: ScoreTile<1>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
-            case 2: ScoreTile<2>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
-            default: ScoreTile<3>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
-          }
-        }
-      const bool masked = c < first_full || c + nk - 1 > pos0;  // the causal diagonal or the window's edge
-      // Online softmax, vertically: each lane is one query row.
-      for (int64_t v0 = 0; v0 < ld; v0 += kLanes) {
-        const Vec vpos = Load(pos + v0), vlo = Load(lo + v0), m_old = Load(m + v0);
-        Vec mx = m_old;
-        for (int64_t k = 0; k < nk; ++k) {
-          Vec x = Load(s + k * ld + v0);
-          if (p.soft_cap > 0.f) x = SoftCap(x, p.soft_cap);
-          if (masked) {
-            const Vec key = Set1(static_cast<float>(c + k));
-            x = Select(LessEqual(key, vpos) & LessEqual(vlo, key), x, Set1(kNegInf));
-          }
-          if (masked || p.soft_cap > 0.f) Store(s + k * ld + v0, x);
-          mx = Max(mx, x);
-        }
-        const Vec base = Select(LessEqual(mx, Set1(kNegInf)), Zero(), mx);  // no key seen yet: any base
-        const Vec a = Exp(Sub(m_old, base));
-        Vec sum = Zero();
-        for (int64_t k = 0; k < nk; ++k) {
-          const Vec e = Exp(Sub(Load(s + k * ld + v0), base));
-          Store(s + k * ld + v0, e);
-          sum = Add(sum, e);
-        }
-        Store(alpha + v0, a);
-        Store(l + v0, Fma(Load(l + v0), a, sum));
-        Store(m + v0, mx);
-      }
-      AccumulatePv(p, s, ld, 1, alpha, vr, nk, o, rows);
+  const T* src[kTileRows];
+  for (int64_t i = 0; i < rows; ++i) src[i] = q + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
+  for (int64_t i0 = 0; i0 < ld; i0 += kLanes)
+    for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+      Vec r[kLanes];
+      UNROLL for (int i = 0; i < kLanes; ++i)
+        r[i] = i0 + i < rows ? Mul(LoadMasked(src[i0 + i] + e0, FirstLanes(d - e0)), Set1(p.scale)) : Zero();
+      Transpose16(r);
+      for (int64_t e = 0; e < std::min<int64_t>(kLanes, d - e0); ++e) Store(qt + (e0 + e) * ld + i0, r[e]);
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      T* dst = out + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
-      for (int64_t e = 0; e < d; ++e) FromF32(o[i * p.dpad + e] * inv, dst + e);
+  std::fill(m, m + ld, kNegInf);
+  std::fill(l, l + ld, 0.f);
+  std::fill(o, o + rows * p.dpad, 0.f);
+  for (int64_t c = w.k0; c < w.k1; c += kTileKeys) {
+    const int64_t nk = std::min<int64_t>(kTileKeys, w.k1 - c);
+    KeyRows<kTileKeys>(p, table, k_layer, v_layer, c, nk, krows, vrows);
+    HeadRows<kTileKeys>(p, krows, nk, h * d, kbuf, kr);
+    HeadRows<kTileKeys>(p, vrows, nk, h * d, vbuf, vr);
+    for (int64_t r0 = 0; r0 < nk; r0 += 8)
+      for (int64_t v0 = 0; v0 < nqv; v0 += 3) {
+        float* dst = s + r0 * ld + v0 * kLanes;
+        switch (std::min<int64_t>(3, nqv - v0)) {
+          case 1: ScoreTile<1>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+          case 2: ScoreTile<2>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+          default: ScoreTile<3>(qt + v0 * kLanes, ld, kr + r0, d, dst, ld); break;
+        }
+      }
+    const bool masked = c < first_full || c + nk - 1 > pos0;  // the causal diagonal or the window's edge
+    // Online softmax, vertically: each lane is one query row.
+    for (int64_t v0 = 0; v0 < ld; v0 += kLanes) {
+      const Vec vpos = Load(pos + v0), vlo = Load(lo + v0), m_old = Load(m + v0);
+      Vec mx = m_old;
+      for (int64_t k = 0; k < nk; ++k) {
+        Vec x = Load(s + k * ld + v0);
+        if (p.soft_cap > 0.f) x = SoftCap(x, p.soft_cap);
+        if (masked) {
+          const Vec key = Set1(static_cast<float>(c + k));
+          x = Select(LessEqual(key, vpos) & LessEqual(vlo, key), x, Set1(kNegInf));
+        }
+        if (masked || p.soft_cap > 0.f) Store(s + k * ld + v0, x);
+        mx = Max(mx, x);
+      }
+      const Vec base = Select(LessEqual(mx, Set1(kNegInf)), Zero(), mx);  // no key seen yet: any base
+      const Vec a = Exp(Sub(m_old, base));
+      Vec sum = Zero();
+      for (int64_t k = 0; k < nk; ++k) {
+        const Vec e = Exp(Sub(Load(s + k * ld + v0), base));
+        Store(s + k * ld + v0, e);
+        sum = Add(sum, e);
+      }
+      Store(alpha + v0, a);
+      Store(l + v0, Fma(Load(l + v0), a, sum));
+      Store(m + v0, mx);
     }
+    AccumulatePv(p, s, ld, 1, alpha, vr, nk, o, rows);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    T* dst = out + ((w.t0 + i / g) * p.hq + h * g + i % g) * d;
+    for (int64_t e = 0; e < d; ++e) FromF32(o[i * p.dpad + e] * inv, dst + e);
   }
 }
 
