@@ -253,7 +253,8 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
         if kernel is not None:
             sec = results[-1]["ms"][kernel] / 1e3
             gbs = live_bytes / sec / 1e9
-            line += f"    {gbs:8.1f}" + (f" ({live_bytes / sec / peak:.0%})" if peak else "") + f"  {flops / sec / 1e9:7.1f}"
+            line += f"    {gbs:8.1f}" + (f" ({live_bytes / sec / peak:.0%})" if peak else "")
+            line += f"  {flops / sec / 1e9:7.1f}"
             results[-1]["achieved_gb_s"] = gbs
             results[-1]["achieved_gflop_s"] = flops / sec / 1e9
         print(line)

@@ -124,7 +124,10 @@ inline Vec SumEach16(const Vec (&acc)[16]) {
 // In place: r[j][i] becomes r[i][j] (interleave 32-bit, then 64-bit pairs, then 128-bit blocks twice).
 inline void Transpose16(Vec (&r)[16]) {
   Vec t[16], u[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
   for (int i = 0; i < 16; i += 4)
     for (int j = 0; j < 2; ++j) {  // u[i + c] holds column 4b + c of rows i..i+3 in block b
       const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
@@ -132,8 +135,10 @@ inline void Transpose16(Vec (&r)[16]) {
       u[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
     }
   for (int c = 0; c < 4; ++c) {
-    const Vec v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-    const Vec w0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    const Vec v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+    const Vec v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const Vec w0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const Vec w1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
     r[c] = _mm512_shuffle_f32x4(v0, w0, 0x88);
     r[8 + c] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
     r[4 + c] = _mm512_shuffle_f32x4(v1, w1, 0x88);
@@ -542,7 +547,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
     for (int64_t h = w.h0; h < w.h1; ++h) {
       prefetch_next(knext, h);
       HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
-      for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i) Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
+      for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
+        Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
     }
     // Online softmax of every row at once: independent chains of horizontal reductions overlap,
     // and the rescaling factors are exponentiated 16 rows at a time.
