@@ -3,9 +3,9 @@
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.config import EngineArgs
 from jaxpaged.request import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 

@@ -55,6 +55,9 @@ class EngineArgs:
                                              "directory (compiled step programs survive restarts); '' disables it.")
     precompile: bool = _arg(True, "Compile every step program of the bucket set at start-up (seconds with a warm "
                             "compilation cache), so no request waits for a compile.")
+    async_scheduling: bool = _arg(True, "Schedule and launch step k+1 before taking in step k's tokens, so host "
+                                  "work overlaps the device (steps that need the tokens on the host, for "
+                                  "penalties or beam search, still run one at a time).")
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -105,6 +108,7 @@ class EngineConfig:
     compilation_cache_dir: str | None
     precompile: bool
     parallel: ParallelConfig = ParallelConfig()
+    async_scheduling: bool = True
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -143,4 +147,5 @@ class EngineConfig:
             compilation_cache_dir=a.compilation_cache_dir,
             precompile=a.precompile,
             parallel=ParallelConfig(a.tensor_parallel_size, a.data_parallel_size),
+            async_scheduling=a.async_scheduling,
         )

@@ -6,17 +6,19 @@ others follow: JAX is multi-controller, so every process must run the same jitte
 the same inputs in the same order. The leader therefore broadcasts, before each device
 operation, what it is about to run, and followers run exactly that:
 
-* ``("step", transfers, batch)``: the step's block transfers (swap/copy lists) and its padded
-  host batch (``ModelRunner.prepare``'s ``StepBatch``); followers apply the transfers and run
-  the same forward and sampler programs (and drop the sampled tokens);
-* ``("transfers", transfers)``: block transfers of a step that runs no model;
+* ``("transfers", transfers)``: a step's block transfers (swap/copy lists), sent when the leader
+  applies them;
+* ``("step", batch)``: the step's padded host batch (``ModelRunner.prepare``'s ``StepBatch``);
+  followers run the same forward and sampler programs (and drop the sampled tokens; each
+  process keeps its own copy of the last step's samples, which the next step's in-flight
+  decode inputs are read from on the device);
 * ``("stop",)``: the leader is shutting down.
 
 Messages are pickled and sent with ``multihost_utils.broadcast_one_to_all`` (a length, then the
 bytes padded to a power of two so few shapes compile). Only run processes you trust on the
 coordinator's network: a follower unpickles what the leader sends.
 
-Hooks wrap the runner's ``execute`` / ``apply_block_transfers`` on the instance; the runner
+Hooks wrap the runner's ``apply_block_transfers`` / ``run_batch`` on the instance; the runner
 itself knows nothing of processes. Swap preemption is not supported across hosts (its host
 page pool would need every process's KV shard on the leader).
 """
@@ -103,27 +105,19 @@ class Leader:
 
     def __init__(self, runner: Any, channel: Channel):
         self.runner, self.channel = runner, channel
-        self._execute, self._prepare, self._apply = runner.execute, runner.prepare, runner.apply_block_transfers
-        self._in_step = False
-        runner.execute = self.execute
+        self._apply, self._run_batch = runner.apply_block_transfers, runner.run_batch
         runner.apply_block_transfers = self.apply_block_transfers
+        runner.run_batch = self.run_batch
 
     def apply_block_transfers(self, out: Any) -> None:
         transfers = Transfers.of(out)
-        if not self._in_step and transfers:
+        if transfers:
             self.channel.send(("transfers", transfers))
         self._apply(out)
 
-    def execute(self, out: Any):
-        batch = self._prepare(out)
-        self.channel.send(("step", Transfers.of(out), batch))
-        self.runner.prepare = lambda _out: batch
-        self._in_step = True
-        try:
-            return self._execute(out)
-        finally:
-            self._in_step = False
-            del self.runner.prepare
+    def run_batch(self, batch: Any):
+        self.channel.send(("step", batch))
+        return self._run_batch(batch)
 
     def stop(self) -> None:
         self.channel.send(("stop",))
@@ -140,12 +134,7 @@ def follow(runner: Any, channel: Channel) -> int:
         if kind == "transfers":
             runner.apply_block_transfers(message[1])
             continue
-        _, transfers, batch = message
-        runner.prepare = lambda _out: batch
-        try:
-            runner.execute(transfers)
-        finally:
-            del runner.prepare
+        runner.collect(runner.run_batch(message[1]))
         steps += 1
 
 

@@ -1,7 +1,13 @@
 """``LLMEngine``: add requests, step the model, collect outputs.
 
-One ``step()`` = schedule (pure Python) -> run (one jitted program) -> update: append the
-sampled tokens, check stops, detokenize incrementally, free finished requests' blocks.
+One ``step()`` = schedule (pure Python) -> launch (jitted programs, not waited for) -> update:
+append the sampled tokens, check stops, detokenize, free finished requests' blocks. With async
+scheduling (the default) the update of step k runs while step k+1, already scheduled and
+launched, runs on the device: ``step()`` returns the outputs of the step before the one it
+launched. The scheduler counts tokens in flight as known (output placeholders) and the model
+reads them on the device; a request that stops on a token of step k has computed one token
+too many in step k+1, which is dropped. Steps whose inputs need the previous step's tokens on
+the host (penalties, beam search) run synchronously.
 Every input is validated in ``add_request`` before anything is queued, so a bad request
 leaves the engine and the other requests untouched.
 
@@ -28,10 +34,10 @@ from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
-from jaxpaged.model_runner import ModelRunner, StepOutput
+from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.weights import load_checkpoint
 from models.registry import build_model
@@ -104,6 +110,14 @@ class _BeamSearch:
 
     def __post_init__(self) -> None:
         self.cum.setdefault(self.root.request_id, 0.0)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose samples the engine has not taken in yet."""
+
+    out: SchedulerOutput
+    launched: LaunchedStep
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,10 @@ class LLMEngine:
         """Beam search request id -> its state; ``_beam_of`` maps each live beam's id to it."""
         self._beam_of: dict[str, _BeamSearch] = {}
         self._token_text: dict[int, str] = {}
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: _InFlight | None = None
+        self._num_synchronous = 0
+        """Live requests whose steps need the previous step's tokens on the host (penalties)."""
         self.load_time = time.perf_counter() - t0
         t0 = time.perf_counter()
         num_precompiled = self.runner.precompile() if config.precompile else 0
@@ -263,6 +281,7 @@ class LLMEngine:
             req.pending_forks, req.reserved_seqs = [], 0
             raise
         sp = req.sampling_params
+        self._num_synchronous += sp.needs_penalties
         detokenizer = IncrementalDetokenizer if sp.spaces_between_special_tokens else _UnspacedSpecialsDetokenizer
         for r in samples:
             self._detokenizers[r.request_id] = detokenizer(self.tokenizer, r.prompt_token_ids,
@@ -290,11 +309,16 @@ class LLMEngine:
 
     def _forget(self, parent: Request) -> None:
         """Drop the per-sample state of a request that finished or was aborted."""
+        if parent.request_id in self._groups:
+            self._num_synchronous -= parent.sampling_params.needs_penalties
         for r in [parent, *parent.forks]:
             self._detokenizers.pop(r.request_id, None)
             self._groups.pop(r.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests queued or running. (A request whose last token is in flight is running until
+        ``step()`` takes it in; a step in flight holding only finished or aborted requests is not
+        waited for: the next ``step()`` drops its tokens.)"""
         return self.scheduler.has_unfinished_requests()
 
     def sharing_stats(self) -> SharingStats:
@@ -379,22 +403,43 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. With async scheduling: schedule and launch a step, then take in the
+        previous one's samples (while the new one runs) and return their outputs. Otherwise, or
+        when the step needs the previous step's tokens on the host: finish the step in flight,
+        then schedule, run and take in a step."""
+        if self.async_scheduling and not self._num_synchronous and not self._beam_searches:
+            launched = self._launch()
+            outputs = self._take_in(self._in_flight)
+            self._in_flight = launched
+            return outputs
+        outputs = self._take_in(self._in_flight)
+        self._in_flight = None
+        return outputs + self._take_in(self._launch())
+
+    def _launch(self) -> _InFlight | None:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            self.runner.apply_block_transfers(out)      # e.g. swap-outs of idle beams
+        launched = self.runner.launch(out)          # block transfers even when nothing runs (swap-outs of idle beams)
+        return None if launched is None else _InFlight(out, launched)
+
+    def _take_in(self, step: _InFlight | None) -> list[RequestOutput]:
+        """Wait for a launched step and process its samples: append tokens, check stops, build outputs."""
+        if step is None:
             return []
-        res = self.runner.execute(out)
+        out, res = step.out, self.runner.collect(step.launched)
         now = time.time()
         self._record_prompt_logprobs(out.requests, res)
         sampled = res.sampled
+        tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         touched: dict[str, Request] = {}
         searches: dict[str, _BeamSearch] = {}
         R = len(out.requests)
         # Rows that sample: requests whose step reached their last known token, then the forks.
-        rows = [(i, req) for i, req in enumerate(out.requests)
-                if out.start_positions[i] + out.num_new_tokens[i] >= req.num_tokens]
+        rows = [(i, req) for i, (req, samples) in enumerate(zip(out.requests, out.samples)) if samples]
         rows += [(R + j, child) for j, (_, child) in enumerate(out.forks)]
         for i, req in rows:
+            req.num_output_placeholders -= 1
+            if req.is_finished:             # aborted (or stopped) while this step ran: its token is dropped
+                continue
             search = self._beam_of.get(req.request_id)
             if search is not None:
                 k2 = 2 * search.params.beam_width
@@ -404,7 +449,7 @@ class LLMEngine:
                 continue
             if not req.output_token_ids:
                 req.first_token_time = now
-            token, logprob = int(sampled.tokens[i]), float(sampled.logprobs[i])
+            token, logprob = tokens[i], logprobs[i]
             req.output_token_ids.append(token)
             req.output_logprobs.append(logprob)
             if req.output_top_logprobs is not None:
@@ -415,6 +460,8 @@ class LLMEngine:
             if status is not None:
                 req.finished_time = now
                 self.scheduler.finish_request(req, status)
+            elif req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             parent = self._groups[req.request_id]
             touched[parent.request_id] = parent
         outputs = []
@@ -453,11 +500,23 @@ class LLMEngine:
         return entries
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
-        """Detokenize the new token and decide whether the sample is done. A finished sample's
-        detokenizer is flushed, so its text ends as the full decode does (even mid-character)."""
+        """Detokenize the new token and decide whether the sample is done. A sample whose text
+        nothing reads before it finishes (``FINAL_ONLY``, no stop strings) is detokenized only then,
+        token by token as it would have been. A finished sample's detokenizer is flushed, so its
+        text ends as the full decode does (even mid-character)."""
+        sp = req.sampling_params
         detok = self._detokenizers[req.request_id]
-        before = len(detok.text)
-        detok.step([req.output_token_ids[-1]])
+        ids = req.output_token_ids
+        if sp.stop or sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+            before = len(detok.text)
+            detok.step(ids[-1:])
+        elif self._stop_status(req, "", 0) is None:     # its stops do not read the text
+            return None
+        else:
+            for t in ids[:-1]:
+                detok.step([t])
+            before = len(detok.text)
+            detok.step(ids[-1:])
         status = self._stop_status(req, detok.text, before)
         if status is not None:
             detok.flush()
@@ -488,28 +547,35 @@ class LLMEngine:
         return None
 
     def _completion(self, req: Request) -> CompletionOutput:
-        """One sample's output; while it runs, text that may begin a stop string is held back."""
+        """One sample's output; while it runs, text that may begin a stop string is held back.
+        With ``RequestOutputKind.DELTA`` its text, token ids and logprobs are only the new ones."""
         sp = req.sampling_params
         text = self._detokenizers[req.request_id].text[:req.output_text_end]
         if not req.is_finished and sp.stop and not sp.include_stop_str_in_output:
             text = text[:len(text) - _stop_prefix_len(text, sp.stop)]
         delta_text, req.num_text_sent = text[req.num_text_sent:], len(text)
-        delta_ids, req.num_tokens_sent = req.output_token_ids[req.num_tokens_sent:], req.num_output_tokens
+        sent, req.num_tokens_sent = req.num_tokens_sent, req.num_output_tokens
+        delta_ids = req.output_token_ids[sent:]
+        top = req.output_top_logprobs
+        if sp.output_kind is RequestOutputKind.DELTA:
+            text, token_ids, top = delta_text, delta_ids, None if top is None else top[sent:]
+        else:
+            token_ids, top = list(req.output_token_ids), None if top is None else list(top)
         return CompletionOutput(
-            index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=float(sum(req.output_logprobs)),
-            logprobs=None if req.output_top_logprobs is None else list(req.output_top_logprobs),
+            index=req.sample_index, text=text, token_ids=token_ids,
+            cumulative_logprob=float(sum(req.output_logprobs)), logprobs=top,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             delta_text=delta_text, delta_token_ids=delta_ids)
 
     def _make_output(self, parent: Request) -> RequestOutput | None:
-        """The request's output, or None while ``best_of > n`` samples run (the best are only known at the end)."""
+        """The request's output, or None while ``best_of > n`` samples run (the best are only known at
+        the end) or while a ``FINAL_ONLY`` request runs."""
         samples = [parent, *parent.forks]
         sp = parent.sampling_params
         finished = all(r.is_finished for r in samples)
+        if not finished and (sp.best_of > sp.n or sp.output_kind is RequestOutputKind.FINAL_ONLY):
+            return None
         if sp.best_of > sp.n:
-            if not finished:
-                return None
             samples = sorted(samples, key=lambda r: sum(r.output_logprobs), reverse=True)[:sp.n]
         metrics = {"arrival_time": parent.arrival_time}
         first = [r.first_token_time for r in samples if r.first_token_time is not None]

@@ -135,6 +135,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def is_shared(self, block_id: int) -> bool:
+        """More than one owner (unchecked id: for the scheduler's hot path, on ids it handed out)."""
+        return self._ref_counts[block_id] > 1
+
     def parent_key(self, block_id: int) -> ParentKey:
         return (block_id, self._generation[block_id])
 
@@ -256,6 +260,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
         self._pending_copies: list[tuple[int, int]] = []
+        self._changed: dict[str, Request] = {}
+        """Requests whose block tables changed since ``take_changed_tables`` (an ordered set)."""
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
@@ -283,11 +289,14 @@ class KVCacheManager:
 
         All or nothing: returns False, allocating nothing, if the pool is short.
         """
+        bs, block_ids = self.block_size, request.block_ids
         total = request.num_computed_tokens + num_new_tokens
-        missing = max(0, self.blocks_needed(total) - len(request.block_ids))
-        cow = self._shared_write_block(request, num_new_tokens)
+        missing = max(0, -(-total // bs) - len(block_ids))
+        # Copy on write: only a partly filled last block can be both shared and written.
+        i = request.num_computed_tokens // bs
+        cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
         needed = missing + (cow is not None)
-        if needed == 0:
+        if needed == 0:                    # the common decode step: room left in a private last block
             return True
         if needed > self.pool.num_free_blocks:
             return False
@@ -298,24 +307,21 @@ class KVCacheManager:
             self.pool.free([src])          # still held by its other owners
             self._pending_copies.append((src, dst))
         request.block_ids.extend(self.pool.allocate(missing))
+        self._changed[request.request_id] = request
         if self.enable_caching:
             self._publish_full_blocks(request, total)
         return True
-
-    def _shared_write_block(self, request: Request, num_new_tokens: int) -> int | None:
-        """Index of the existing block the next write lands in, if other sequences share it.
-        Only a partly filled last block can be both shared and written: full blocks never are."""
-        if num_new_tokens <= 0:
-            return None
-        i = request.num_computed_tokens // self.block_size
-        if i < len(request.block_ids) and self.pool.ref_count(request.block_ids[i]) > 1:
-            return i
-        return None
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call."""
         pairs, self._pending_copies = self._pending_copies, []
         return pairs
+
+    def take_changed_tables(self) -> list[Request]:
+        """The requests whose ``block_ids`` changed since the last call (grown, copied on write,
+        forked, swapped, freed), so that a copy of the tables needs updating only for them."""
+        changed, self._changed = list(self._changed.values()), {}
+        return changed
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` (no blocks yet) the parent's block table and computed tokens, sharing
@@ -324,6 +330,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into request {child.request_id!r}: it already holds blocks.")
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
+        self._changed[child.request_id] = child
         child.num_computed_tokens = parent.num_computed_tokens
         if parent.request_id in self._hashes:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
@@ -340,6 +347,7 @@ class KVCacheManager:
         pairs = list(zip(request.block_ids, host))
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
+        self._changed[request.request_id] = request
         request.host_block_ids = host
         self._num_published.pop(request.request_id, None)
         return pairs
@@ -356,6 +364,7 @@ class KVCacheManager:
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []
         request.block_ids = dev
+        self._changed[request.request_id] = request
         if self.enable_caching:
             self._publish_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return pairs
@@ -377,6 +386,8 @@ class KVCacheManager:
             hits.append(b)
         self.pool.touch(hits)
         request.block_ids.extend(hits)
+        if hits:
+            self._changed[request.request_id] = request
         request.num_computed_tokens = len(hits) * self.block_size
         self._num_published[request.request_id] = len(hits)
         self.stats.queries += request.num_tokens
@@ -388,6 +399,7 @@ class KVCacheManager:
         host ones) and clear its block table."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
+        self._changed[request.request_id] = request
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
@@ -410,8 +422,9 @@ class KVCacheManager:
         return hashes[:num_full]
 
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache every block that is full once this step's tokens are written."""
-        num_full = num_tokens // self.block_size
+        """Cache every block that is full once this step's tokens are written, as far as their token
+        ids are known (an output token still in flight is published with a later step)."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         done = self._num_published.get(request.request_id, 0)
         if num_full <= done:
             return

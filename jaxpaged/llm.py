@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
@@ -11,7 +12,7 @@ from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from jaxpaged.config import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine import LLMEngine
 from jaxpaged.request import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int]
@@ -52,7 +53,9 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  "give one, or one per prompt.")
-        reqs = [self.engine.make_request(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
+        # Only the final outputs are returned: the engine builds no per-step outputs (vLLM does the same).
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params}
+        reqs = [self.engine.make_request(f"llm-{next(self._ids)}", p, final[id(sp)]) for p, sp in zip(prompts, params)]
         added = []
         try:
             for r in reqs:

@@ -1,8 +1,17 @@
 """Turns a ``SchedulerOutput`` into padded device arrays and runs one jitted, KV-donating step.
 
-The host side is vectorized numpy; per request it only copies the step's new token ids and
-the block table row. Shapes are padded to power-of-two buckets (tokens, rows, block-table
-width, prefill tiles) so the set of compiled programs stays small and known.
+The host side is vectorized numpy over a persistent batch: every sequence the runner has seen
+keeps a slot, a row of per-sequence arrays (its block table, its sampling parameters, the row
+it last sampled at) written when the sequence arrives or its blocks change, and gathered by
+slot each step. Per request and step only the new token ids (prompt chunks) are copied from
+Python lists. Shapes are padded to power-of-two buckets (tokens, rows, block-table width,
+prefill tiles) so the set of compiled programs stays small and known.
+
+A step is launched (``launch``: inputs over, forward and sampler dispatched, nothing waited
+for) and collected later (``collect``: sampled tokens back to the host), so the engine can
+schedule and launch step k+1 while step k runs. The model reads a decode token sampled by the
+previous step straight from that step's device output (``prev_index``), so no host round trip
+stands between two steps.
 """
 
 from __future__ import annotations
@@ -52,13 +61,15 @@ class StepBatch:
 
     ``logits_indices`` holds the ``R_b`` sampled rows' last tokens, then the (padded) prompt
     positions whose next-token logprobs were asked for: ``prompt_targets`` are those next tokens,
-    ``prompt_rows`` (unpadded) their batch rows.
+    ``prompt_rows`` (unpadded) their batch rows. ``prev_index[t] >= 0`` marks a token whose id
+    the host does not know yet: it is the previous step's sampled token of that row.
     """
 
     input_ids: np.ndarray
     positions: np.ndarray
     md: AttentionMetadata
     logits_indices: np.ndarray
+    prev_index: np.ndarray
     sampling: SamplingTensors
     prompt_targets: np.ndarray
     prompt_rows: np.ndarray
@@ -77,6 +88,16 @@ class StepBatch:
 
 
 @dataclass
+class LaunchedStep:
+    """A step dispatched to the device: its sampler outputs are still device arrays."""
+
+    sampled: SamplerOutput
+    prompt: SamplerOutput | None
+    prompt_rows: np.ndarray
+    num_rows: int
+
+
+@dataclass
 class StepOutput:
     """One step's sampler results on the host, trimmed to the batch's rows and prompt positions."""
 
@@ -86,7 +107,9 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-def _step(module, params, kv_pages, input_ids, positions, md, logits_indices):
+def _step(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None):
+    if prev_index is not None:
+        input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices)
     return kv_pages, logits
 
@@ -100,32 +123,34 @@ def _jit_step(mesh):
         return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep, rep), out_shardings=(kv, rep))
+                   in_shardings=(None, kv, rep, rep, rep, rep, rep, rep), out_shardings=(kv, rep))
 
 
-def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices):
+def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None):
     """The model part of the step: forward over the ragged batch, KV written in place, logits out.
 
     Module-level (the Flax module is a static, hashable argument, and carries its device mesh
     under tensor parallelism) so engines with the same model share compiled programs.
     """
     return _jit_step(getattr(module, "mesh", None))(module, params, kv_pages, input_ids, positions, md,
-                                                     logits_indices)
+                                                     logits_indices, prev_index, prev_tokens)
 
 
 step_fn.lower = lambda module, *args: _jit_step(getattr(module, "mesh", None)).lower(module, *args)
 
 
-@functools.partial(jax.jit, static_argnames=("flags",))
-def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags):
+@functools.partial(jax.jit, static_argnames=("flags", "num_token_slots"))
+def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_token_slots: int):
     """The sampling part of the step, on the device-resident logits: the sampled rows first, then
     the prompt positions scored for prompt logprobs. A program of its own, so the sampler's
-    variants (flags) and the model's (shapes) are compiled independently, not as their product."""
+    variants (flags) and the model's (shapes) are compiled independently, not as their product.
+    Also returns the sampled tokens padded to ``num_token_slots`` (a fixed shape), which the next
+    step's forward reads its in-flight decode tokens from."""
     R = sampling.temperature.shape[0]
     sampled = sample(logits[:R], sampling, flags)
     prompt = (prompt_logprobs(logits[R:], prompt_targets, max(flags.num_logprobs, 0))
               if prompt_targets.shape[0] else None)
-    return sampled, prompt
+    return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
@@ -154,6 +179,89 @@ def _logprobs_width(n: int) -> int:
     return 0 if n == 0 else MAX_LOGPROBS
 
 
+class SequenceSlots:
+    """The runner's persistent batch: one slot per sequence it has seen and not yet released,
+    holding what the step inputs need of that sequence in numpy rows (grown by doubling).
+
+    Written when a sequence first appears or its block table changes, read by fancy indexing
+    each step, so building a step's arrays costs no Python work per sequence and parameter.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, capacity: int = 64) -> None:
+        self._slot: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
+        self.block_tables = np.zeros((capacity, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(capacity, np.int32)
+        self.temperature = np.zeros(capacity, np.float32)
+        self.top_k = np.zeros(capacity, np.int32)
+        self.top_p = np.ones(capacity, np.float32)
+        self.min_p = np.zeros(capacity, np.float32)
+        self.presence = np.zeros(capacity, np.float32)
+        self.frequency = np.zeros(capacity, np.float32)
+        self.repetition = np.ones(capacity, np.float32)
+        self.seed = np.zeros(capacity, np.uint64)
+        self.logprobs = np.full(capacity, -1, np.int32)
+        """Top logprobs the sequence asks for per token (-1: none)."""
+        self.needs_host_lists = np.zeros(capacity, bool)
+        """Penalties, logit bias or min_tokens: per-step lists built from the request itself."""
+        self.last_sample_row = np.full(capacity, -1, np.int32)
+        """The sampled row of the sequence in the last launched step that sampled it."""
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def _grow(self) -> None:
+        old = self.temperature.shape[0]
+        for name, a in vars(self).items():
+            if isinstance(a, np.ndarray):
+                grown = np.zeros((2 * old,) + a.shape[1:], a.dtype)
+                grown[:old] = a
+                setattr(self, name, grown)
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def slot(self, r: Request) -> int:
+        """The request's slot, filling a new one from the request if it has none."""
+        s = self._slot.get(r.request_id)
+        if s is not None:
+            return s
+        if not self._free:
+            self._grow()
+        s = self._free.pop()
+        self._slot[r.request_id] = s
+        sp = r.sampling_params
+        self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
+            sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p)
+        self.presence[s], self.frequency[s], self.repetition[s] = (
+            sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+        self.seed[s] = r.seed & _SEED_MASK
+        self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
+        self.needs_host_lists[s] = sp.needs_penalties or bool(sp.logit_bias) or sp.min_tokens > 0
+        self.last_sample_row[s] = -1
+        self.write_table(s, r.block_ids)
+        return s
+
+    def slots(self, reqs: list[Request]) -> np.ndarray:
+        return np.fromiter((self.slot(r) for r in reqs), np.int32, len(reqs))
+
+    def write_table(self, s: int, block_ids: list[int]) -> None:
+        n, old = len(block_ids), self.num_blocks[s]
+        self.block_tables[s, :n] = block_ids
+        if old > n:
+            self.block_tables[s, n:old] = 0
+        self.num_blocks[s] = n
+
+    def update(self, changed: list[Request], released: list[str]) -> None:
+        """Forget released sequences; copy the changed block tables of the ones with slots."""
+        for rid in released:
+            s = self._slot.pop(rid, None)
+            if s is not None:
+                self._free.append(s)
+        for r in changed:
+            s = self._slot.get(r.request_id)
+            if s is not None:
+                self.write_table(s, r.block_ids)
+
+
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
 
 
@@ -170,7 +278,7 @@ def _scatter_blocks(kv_pages, blocks, dst):
 
 
 class ModelRunner:
-    """Owns the parameters, the global KV page array and the jitted step."""
+    """Owns the parameters, the global KV page array, the persistent batch and the jitted step."""
 
     def __init__(self, model: BuiltModel, *, num_blocks: int, block_size: int, dtype: Any,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -193,6 +301,10 @@ class ModelRunner:
         # Host page pool for swapped-out blocks (preemption_mode="swap"); zeros are allocated lazily.
         self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
                                    self.kv_pages.dtype)
+        self.slots = SequenceSlots(self.max_blocks_per_seq)
+        # The last launched step's sampled tokens (fixed shape): in-flight decode inputs come from here.
+        self._prev_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else
+                             parallel.zeros((self.max_rows,), jnp.int32, parallel.replicated(mesh)))
         self.program_keys: set[tuple] = set()
 
     @property
@@ -224,8 +336,15 @@ class ModelRunner:
             b = self.token_bucket(b + 1)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
+        """The step's padded host arrays. Also records, for every sequence that samples in this
+        step, the row it samples at (the next step's in-flight decode input is read from there)."""
+        slots_state = self.slots
+        slots_state.update(out.block_table_updates, out.finished_request_ids)
         reqs = out.requests
+        children = [c for _, c in out.forks]
         R = len(reqs)
+        slots = slots_state.slots(reqs)
+        fork_slots = slots_state.slots(children)
         n = np.asarray(out.num_new_tokens, np.int32)
         starts = np.asarray(out.start_positions, np.int32)
         T = int(n.sum())
@@ -241,14 +360,9 @@ class ModelRunner:
         row_of_tok = np.repeat(np.arange(R), n)
         positions = np.zeros(T_b, np.int32)
         positions[:T] = np.arange(T) - qsl[row_of_tok] + starts[row_of_tok]
-        input_ids = np.zeros(T_b, np.int32)
-        input_ids[:T] = np.fromiter(itertools.chain.from_iterable(
-            r.token_ids_slice(s, s + k) for r, s, k in zip(reqs, out.start_positions, out.num_new_tokens)),
-            np.int32, T)
+        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, qsl, T_b)
         block_tables = np.zeros((R_b, W_b), np.int32)
-        for i, r in enumerate(reqs):
-            ids = r.block_ids[:W_b]
-            block_tables[i, :len(ids)] = ids
+        block_tables[:R] = slots_state.block_tables[slots, :W_b]
         slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
         pos = positions[:T]
         slot_mapping[:T] = block_tables[row_of_tok, pos // self.block_size] * self.block_size + pos % self.block_size
@@ -276,9 +390,41 @@ class ModelRunner:
         logits_indices[R:S] = logits_indices[fork_rows]
         logits_indices[S_b:S_b + NP] = prompt_idx
         targets = _padded(prompt_targets, NP_b, 0)
-        sampling, flags = self._sampling_arrays(reqs + [c for _, c in out.forks],
-                                                np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_rows)
-        return StepBatch(input_ids, positions, md, logits_indices, sampling, targets, prompt_rows, S, flags)
+        prompt_widths = [reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())]
+        sampling, flags = self._sampling_tensors(reqs + children, np.concatenate([slots, fork_slots]),
+                                                 np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_widths)
+        samples = np.asarray(out.samples, bool)
+        slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
+        slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
+        return StepBatch(input_ids, positions, md, logits_indices, prev_index, sampling, targets, prompt_rows, S,
+                         flags)
+
+    def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
+                   qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
+        """``input_ids`` of the step (the host's part of each row's span), and ``prev_index``: the
+        row's last token, if its id is still on the device, is the previous step's sample at that row."""
+        R = len(reqs)
+        known = np.fromiter((r.num_tokens for r in reqs), np.int32, R)
+        host_n = np.clip(known - starts, 0, n)
+        input_ids = np.zeros(T_b, np.int32)
+        rows = np.flatnonzero(host_n)
+        H = int(host_n.sum())
+        if H:
+            k = host_n[rows]
+            flat = np.fromiter(itertools.chain.from_iterable(
+                reqs[i].token_ids_slice(s, s + c) for i, s, c in zip(rows.tolist(), starts[rows].tolist(), k.tolist())),
+                np.int32, H)
+            within = np.arange(H) - np.repeat(np.cumsum(k) - k, k)
+            input_ids[np.repeat(qsl[rows], k) + within] = flat
+        prev_index = np.full(T_b, -1, np.int32)
+        pending = np.flatnonzero(host_n < n)
+        if len(pending):
+            src = self.slots.last_sample_row[slots[pending]]
+            if (n[pending] - host_n[pending] > 1).any() or (src < 0).any():
+                raise RuntimeError("a step needs token ids that neither the host nor the previous step's "
+                                   "samples hold (the engine scheduled past an in-flight step)")
+            prev_index[qsl[pending + 1] - 1] = src
+        return input_ids, prev_index
 
     @staticmethod
     def _prompt_logprob_positions(reqs: list[Request], starts: np.ndarray, n: np.ndarray, qsl: np.ndarray
@@ -303,31 +449,25 @@ class ModelRunner:
             return (np.zeros(0, np.int32),) * 3
         return np.concatenate(idx), np.concatenate(targets), np.concatenate(rows)
 
-    @staticmethod
-    def _sampling_arrays(reqs: list[Request], seq_lens: np.ndarray, R_b: int, prompt_rows: np.ndarray
-                         ) -> tuple[SamplingTensors, SamplerFlags]:
-        """Per-row parameters, the compact penalty and bias lists, and the flags of the batch."""
-        R = len(reqs)
+    def _sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
+                          prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
+        """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
+        (built only for the sequences that have them), and the flags of the batch."""
+        st = self.slots
         f32 = np.float32
-        temperature, top_p, min_p = np.zeros(R_b, f32), np.ones(R_b, f32), np.zeros(R_b, f32)
-        presence, frequency, repetition = np.zeros(R_b, f32), np.zeros(R_b, f32), np.ones(R_b, f32)
-        top_k = np.zeros(R_b, np.int32)
-        seeds = np.zeros(R_b, np.uint64)
         pen_rows, pen_tokens, pen_counts = [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
-        width = -1
-        for i, r in enumerate(reqs):
+        for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
+            r = seqs[i]
             sp = r.sampling_params
-            temperature[i], top_p[i], min_p[i], top_k[i] = sp.temperature, sp.top_p, sp.min_p, max(sp.top_k, 0)
-            presence[i], frequency[i], repetition[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
-            seeds[i] = r.seed & _SEED_MASK
             if sp.needs_penalties:
                 counts = _penalty_counts(r)
                 pen_rows.append(np.full(len(counts), i, np.int32))
                 pen_tokens.append(np.fromiter(counts.keys(), np.int32, len(counts)))
                 pen_counts.append(np.fromiter(counts.values(), np.float32, len(counts)))
             bias = dict(sp.logit_bias)
-            if r.num_output_tokens < sp.min_tokens:
+            # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
+            if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
                 # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
                 masked = set(sp.stop_token_ids)
                 if r.eos_token_id is not None and not sp.ignore_eos:
@@ -337,58 +477,72 @@ class ModelRunner:
                 bias_rows += [i] * len(bias)
                 bias_tokens += bias.keys()
                 bias_values += bias.values()
-            if r.output_top_logprobs is not None:
-                width = max(width, sp.logprobs)
-        if len(prompt_rows):
-            width = max(width, max(reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())))
-        position = np.zeros(R_b, np.int32)
-        position[:R] = seq_lens
-
+        width = max([int(st.logprobs[slots].max(initial=-1)), *prompt_widths])
         n_pen = sum(len(a) for a in pen_rows)
         Np = 0 if not pen_rows else _bucket(n_pen, 1 << 30, floor=MIN_PENALTY_PAIRS)
         Nb = 0 if not bias_rows else _bucket(len(bias_rows), 1 << 30, floor=MIN_BIAS_ENTRIES)
         cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
-        st = SamplingTensors(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
-            frequency_penalty=frequency, repetition_penalty=repetition,
+        seeds = _padded(st.seed[slots], S_b, 0)
+        temperature, top_k, top_p = (_padded(st.temperature[slots], S_b, 0.0), _padded(st.top_k[slots], S_b, 0),
+                                     _padded(st.top_p[slots], S_b, 1.0))
+        sampling = SamplingTensors(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=_padded(st.min_p[slots], S_b, 0.0),
+            presence_penalty=_padded(st.presence[slots], S_b, 0.0),
+            frequency_penalty=_padded(st.frequency[slots], S_b, 0.0),
+            repetition_penalty=_padded(st.repetition[slots], S_b, 1.0),
             seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
-            position=position,
-            penalty_rows=_padded(cat(pen_rows, np.int32), Np, R_b),
+            position=_padded(positions.astype(np.int32), S_b, 0),
+            penalty_rows=_padded(cat(pen_rows, np.int32), Np, S_b),
             penalty_tokens=_padded(cat(pen_tokens, np.int32), Np, 0),
-            penalty_counts=_padded(cat(pen_counts, np.float32), Np, 0.0),
-            bias_rows=_padded(np.asarray(bias_rows, np.int32), Nb, R_b),
+            penalty_counts=_padded(cat(pen_counts, f32), Np, 0.0),
+            bias_rows=_padded(np.asarray(bias_rows, np.int32), Nb, S_b),
             bias_tokens=_padded(np.asarray(bias_tokens, np.int32), Nb, 0),
-            bias_values=_padded(np.asarray(bias_values, np.float32), Nb, 0.0))
+            bias_values=_padded(np.asarray(bias_values, f32), Nb, 0.0))
         sampled = temperature > 0
         flags = SamplerFlags(
             all_greedy=not sampled.any(), penalties=bool(pen_rows), bias=bool(bias_rows),
             top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
             num_logprobs=-1 if width < 0 else _logprobs_width(width))
-        return st, flags
+        return sampling, flags
 
-    def execute(self, out: SchedulerOutput) -> StepOutput:
-        """Run one step; returns the sampled tokens (with logprobs) for ``out.requests``, then
-        for ``out.forks``. Block transfers come first: swap-outs read blocks this step may
+    def launch(self, out: SchedulerOutput) -> LaunchedStep | None:
+        """Apply the step's block transfers and dispatch its programs without waiting for them;
+        None if no request runs. Block transfers come first: swap-outs read blocks this step may
         reuse, then copy-on-write copies, then swap-ins."""
         self.apply_block_transfers(out)
-        b = self.prepare(out)
-        sampled, prompt = self._run(b)
-        R, P = b.num_rows, len(b.prompt_rows)
-        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
-        if prompt is not None:
-            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
-        return StepOutput(sampled, prompt, b.prompt_rows)
+        if out.is_empty:
+            self.slots.update(out.block_table_updates, out.finished_request_ids)
+            return None
+        return self.run_batch(self.prepare(out))
 
-    def _run(self, b: StepBatch) -> tuple[SamplerOutput, SamplerOutput | None]:
-        """The device part of a step: inputs over, forward (KV donated), sampler, results back."""
+    def run_batch(self, b: StepBatch) -> LaunchedStep:
+        """The device part of a step: inputs over, forward (KV donated), sampler; not waited for."""
         for key in b.program_keys:
             if key not in self.program_keys:
                 self.program_keys.add(key)
                 logger.debug("compiling step program %s", key)
-        inputs, sampling, targets = jax.device_put(
-            ((b.input_ids, b.positions, b.md, b.logits_indices), b.sampling, b.prompt_targets))
-        self.kv_pages, logits = step_fn(self.model.module, self.model.params, self.kv_pages, *inputs)
-        return jax.device_get(sample_fn(logits, sampling, targets, flags=b.flags))
+        # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
+        # several times faster than a jax.device_put of the tree.
+        self.kv_pages, logits = step_fn(self.model.module, self.model.params, self.kv_pages, b.input_ids, b.positions,
+                                        b.md, b.logits_indices, b.prev_index, self._prev_tokens)
+        sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
+                                                       num_token_slots=self.max_rows)
+        return LaunchedStep(sampled, prompt, b.prompt_rows, b.num_rows)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step; its samples (for the requests, then the forks) on the host."""
+        sampled, prompt = jax.device_get((step.sampled, step.prompt))
+        R, P = step.num_rows, len(step.prompt_rows)
+        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
+        if prompt is not None:
+            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
+        return StepOutput(sampled, prompt, step.prompt_rows)
+
+    def execute(self, out: SchedulerOutput) -> StepOutput | None:
+        """Run one step and wait for it (``launch`` then ``collect``)."""
+        step = self.launch(out)
+        return None if step is None else self.collect(step)
 
     def precompile(self, sampler_flags: tuple[SamplerFlags, ...] = PRECOMPILED_SAMPLERS) -> int:
         """Compile the forward program of every token bucket and the sampler of every row bucket for
@@ -409,11 +563,13 @@ class ModelRunner:
                                    block_tables=np.zeros((R_b, self.max_blocks_per_seq), np.int32),
                                    seq_lens=np.zeros(R_b, np.int32), query_start_loc=np.zeros(R_b + 1, np.int32),
                                    tile_row=empty, tile_start=empty, tile_len=empty, tile_size=1)
-            sampling, _ = self._sampling_arrays([], empty, R_b, empty)
+            sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
-                self._run(StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
-                                    sampling, empty, empty, 0, flags))
+                self.collect(self.run_batch(StepBatch(
+                    np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
+                    np.full(T_b, -1, np.int32), sampling, empty, empty, 0, flags)))
         return self.num_compiled_programs - before
+
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         P = _bucket(len(pairs), 1 << 30)

@@ -95,6 +95,9 @@ class Request:
     """A beam whose next-token candidates are in, waiting for its other beams: it has nothing to
     compute until the engine appends its token, even if preempted meanwhile."""
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Output tokens sampled by steps in flight on the device, not yet appended (async scheduling):
+    the scheduler counts them as known, the model reads their ids on the device."""
     block_ids: list[int] = field(default_factory=list)
     """Physical KV blocks, in logical order; filled by the KVCacheManager."""
     host_block_ids: list[int] = field(default_factory=list)
@@ -121,6 +124,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

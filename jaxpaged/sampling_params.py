@@ -8,6 +8,7 @@ the model (token ids within the vocabulary) happen in ``LLMEngine.make_request``
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import numbers
@@ -20,6 +21,18 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 0.01
 """Positive temperatures below this are raised to it, as vLLM does: ``1/T`` would overflow the logits."""
 MAX_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a running request carries (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = 0
+    """Every step: the whole output so far (and the delta since the previous output)."""
+    DELTA = 1
+    """Every step: only what is new (``text`` and ``token_ids`` hold the delta)."""
+    FINAL_ONLY = 2
+    """Nothing until the request finishes, then the whole output: the engine skips per-step
+    output building, and detokenizes once at the end unless stop strings need the text earlier."""
 
 
 def _is_int(v: object) -> bool:
@@ -65,6 +78,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +151,8 @@ class SamplingParams:
         int_at_least("min_tokens", 0)
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}.")
+        need(isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),

@@ -4,8 +4,10 @@ Pure Python (no jax, no numpy), vLLM V1 style. There is no prefill/decode phase:
 request has ``num_tokens`` known tokens of which ``num_computed_tokens`` are in the KV
 cache, and a step computes the next ``num_new_tokens`` of them for every scheduled
 request. A long prompt is therefore split across steps (chunked prefill) and mixed with
-decodes in one step. ``num_computed_tokens`` advances at schedule time; the engine
-appends a sampled token to each request whose step reached its last known token.
+decodes in one step. ``num_computed_tokens`` advances at schedule time; a request whose
+step reaches its last known token samples one, which counts as known at once (an output
+placeholder): with async scheduling the next step is scheduled before the engine has
+appended it, and the model reads its id on the device.
 
 When the KV pool runs dry the newest running request is preempted and resumes before
 later arrivals: by recomputation (blocks freed, ``num_computed_tokens`` reset to 0), or with
@@ -41,6 +43,12 @@ class SchedulerOutput:
     num_new_tokens: list[int]
     start_positions: list[int]
     preempted: list[Request]
+    samples: list[bool] = field(default_factory=list)
+    """Whether ``requests[i]`` samples a token this step (its step reaches its last known token)."""
+    block_table_updates: list[Request] = field(default_factory=list)
+    """Requests whose block tables changed since the previous schedule (the runner's copies follow)."""
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that left the scheduler (finished, aborted) since the previous schedule."""
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) copy-on-write block pairs, copied on device before the step."""
     forks: list[tuple[int, Request]] = field(default_factory=list)
@@ -79,6 +87,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0
         """Preemptions that swapped (the rest recomputed)."""
+        self._finished_ids: list[str] = []
 
     @property
     def num_running(self) -> int:
@@ -173,6 +182,7 @@ class Scheduler:
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -187,16 +197,18 @@ class Scheduler:
         kv = self.kv_cache_manager
         forked: list[Request] = []
 
-        # Running requests first, in admission order.
+        # Running requests first, in admission order. (The hot path of a decode step: kept lean.)
+        running, max_len = self.running, self.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
-                          self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:  # nothing known to compute until the engine appends a token
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = min(request.num_tokens_with_placeholders - computed, budget, max_len - computed)
+            # Nothing known to compute until the engine appends a token, or its last token is in flight.
+            if num_new <= 0 or len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not kv.allocate_slots(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
             self._add_to_output(out, request, num_new, forked)
             budget -= num_new
@@ -209,7 +221,7 @@ class Scheduler:
         had_to_preempt = bool(out.preempted)
         while not had_to_preempt and j < len(self.waiting) and budget > 0:
             request = self.waiting[j]
-            if request.waiting_for_group:
+            if request.waiting_for_group or request.num_output_placeholders:
                 j += 1
                 continue
             if len(self.running) + len(forked) + reserved + 1 + request.reserved_seqs > self.config.max_num_seqs:
@@ -217,7 +229,7 @@ class Scheduler:
             swapped = bool(request.host_block_ids)
             if not swapped:
                 kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens,
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
                           self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 j += 1
@@ -249,11 +261,13 @@ class Scheduler:
             budget -= num_new
         self.running.extend(forked)
         out.blocks_to_copy = kv.take_blocks_to_copy()
+        out.block_table_updates = kv.take_changed_tables()
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate ``request``'s blocks, preempting the newest running requests until it
-        fits; False if ``request`` itself had to go. Victims come from the end of
+    def _preempt_for(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until ``request``'s blocks can be allocated (and
+        allocate them); False if ``request`` itself had to go. Victims come from the end of
         ``running``, so none was already scheduled in this step."""
         while not self.kv_cache_manager.allocate_slots(request, num_new):
             victim = self.running.pop()
@@ -264,11 +278,11 @@ class Scheduler:
 
     def _preempt_idle(self, out: SchedulerOutput, behind: int) -> bool:
         """Preempt the newest idle running request (all its tokens computed, waiting for the
-        engine), queueing it right behind ``waiting[behind]``, the request it makes room for;
-        False if there is none."""
+        engine: its beam group), queueing it right behind ``waiting[behind]``, the request it makes
+        room for; False if there is none. A request with a token in flight is not idle."""
         for k in range(len(self.running) - 1, -1, -1):
             r = self.running[k]
-            if r.num_computed_tokens >= r.num_tokens and r.block_ids:
+            if r.num_computed_tokens >= r.num_tokens_with_placeholders and r.block_ids:
                 del self.running[k]
                 self._preempt(r, out, at=behind + 1)
                 return True
@@ -280,7 +294,9 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _preempt(self, request: Request, out: SchedulerOutput, at: int = 0) -> None:
-        pairs = self.kv_cache_manager.swap_out(request) if self.swap else None
+        # A request whose last token is in flight will finish when it arrives: its blocks are freed, never swapped.
+        finishing = request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+        pairs = self.kv_cache_manager.swap_out(request) if self.swap and not finishing else None
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)
             self.num_swapped_out += 1
@@ -300,12 +316,17 @@ class Scheduler:
         out.num_new_tokens.append(num_new)
         out.start_positions.append(request.num_computed_tokens)
         request.num_computed_tokens += num_new
-        if request.pending_forks and request.num_computed_tokens == request.num_tokens:
+        samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+        out.samples.append(samples)
+        if samples:
+            request.num_output_placeholders += 1
+        if request.pending_forks and samples:
             # The prompt is computed: its other samples share its blocks from now on, and
             # draw their first tokens from this row's logits.
             for child in request.pending_forks:
                 self.kv_cache_manager.fork(request, child)
                 child.status = RequestStatus.RUNNING
+                child.num_output_placeholders += 1
                 self._requests[child.request_id] = child
                 out.forks.append((row, child))
                 forked.append(child)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import memory, overhead, serving  # noqa: E402
 from benchmarks.workload import synthetic  # noqa: E402
-from jaxpaged import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind  # noqa: E402
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
@@ -25,8 +25,9 @@ def _engine(model_dir, **kw) -> LLMEngine:
 
 def test_memory_trace_matches_arithmetic_of_the_workload(tiny):
     """All prompts fit the first step and nothing is preempted, so after step s request i holds
-    prompt_i + s - 1 tokens while s < output_i: every sampled count follows from the trace alone."""
-    engine = _engine(tiny[0])
+    prompt_i + s - 1 tokens while s < output_i: every sampled count follows from the trace alone
+    (steps taken one at a time: with async scheduling the next step's blocks are already held)."""
+    engine = _engine(tiny[0], async_scheduling=False)
     reqs = synthetic(6, seed=3, prompt_mean=12, output_mean=8, max_total=64)
     assert sum(len(r.prompt_token_ids) for r in reqs) <= 256
     samples = memory.run_trace(engine, reqs)
@@ -81,7 +82,8 @@ def test_memory_counts_a_shared_block_once(tiny):
 
 def test_overhead_phases_partition_the_step(tiny):
     engine = _engine(tiny[0])
-    timings = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8)
+    timings = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
+                               output_kind=RequestOutputKind.CUMULATIVE)
     assert len(timings) == 3
     for t in timings:
         assert (t.num_requests, t.num_tokens) == (4, 4)
@@ -92,7 +94,7 @@ def test_overhead_phases_partition_the_step(tiny):
     row = overhead.summarize(timings)
     assert set(row) == {*overhead.PHASES, "host", "step"} and row["host"] <= row["step"] + 1e-9
     # The wrappers are gone and the requests aborted.
-    assert "schedule" not in vars(engine.scheduler) and "execute" not in vars(engine.runner)
+    assert "schedule" not in vars(engine.scheduler) and "launch" not in vars(engine.runner)
     assert not engine.has_unfinished_requests()
 
 

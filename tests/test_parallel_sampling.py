@@ -208,10 +208,9 @@ def test_random_fork_workload_keeps_ref_counts_exact(mode, host_blocks):
         for key, n in (("forks", out.forks), ("copies", out.blocks_to_copy), ("preempted", out.preempted),
                        ("swapped_in", out.blocks_to_swap_in)):
             stats[key] += len(n)
-        rows = [(req, s + n >= req.num_tokens) for req, n, s in zip(out.requests, out.num_new_tokens,
-                                                                   out.start_positions)]
-        rows += [(c, True) for _, c in out.forks]
+        rows = list(zip(out.requests, out.samples)) + [(c, True) for _, c in out.forks]
         for req, samples in rows:
+            req.num_output_placeholders -= samples
             if samples and not req.is_finished:
                 req.output_token_ids.append(rng.randint(1, 50))
                 if req.num_output_tokens >= req.max_tokens:

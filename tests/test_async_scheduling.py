@@ -1,0 +1,184 @@
+"""Async scheduling (step k+1 launched before step k's tokens are taken in), the runner's
+persistent batch, and output kinds: none of them may change what a request produces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from tiny_models import random_prompts
+
+
+def _engine(path, **kw) -> LLMEngine:
+    args = dict(model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=40)
+    return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
+
+
+def _workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Greedy and seeded requests; stop ids and stop strings that end some early (so the async engine
+    has computed a token it must drop); n = 2; a shared prefix; prompts longer than the step budget."""
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, vocab, 10).tolist()
+    prompts = random_prompts(rng, [3, 30, 12, 7, 21, 5, 16, 9])
+    prompts[0] = shared + prompts[0]          # the first and the last request: the first is computed by then
+    prompts[7] = shared + prompts[7]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=11, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=15, stop_token_ids=[int(t) for t in range(3, vocab, 7)]),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=13, stop=["a", "e"], ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=9, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True, top_k=5),
+        SamplingParams(temperature=0.0, max_tokens=10),
+    ]
+    return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def _run(engine: LLMEngine, workload) -> dict[str, list]:
+    for rid, prompt, sp in workload:
+        engine.add_request(rid, prompt, sp)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                          c.cumulative_logprob) for c in out.outputs]
+    assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
+    return final
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_async_and_sync_scheduling_produce_the_same_outputs(tiny, preemption_mode):
+    """Under chunked prefill, prefix hits, forks and a pool small enough to preempt."""
+    path, hf = tiny
+    workload = _workload(hf.config.vocab_size)
+    kw = dict(preemption_mode=preemption_mode, swap_space=1 << 20, num_gpu_blocks_override=20)
+    sync_engine, async_engine = _engine(path, async_scheduling=False, **kw), _engine(path, **kw)
+    want, got = _run(sync_engine, workload), _run(async_engine, workload)
+    assert async_engine.scheduler.num_preemptions > 0 and async_engine.kv_cache_manager.stats.hits > 0
+    assert set(got) == {rid for rid, _, _ in workload}
+    for rid in want:
+        for (w_ids, w_text, w_reason, w_stop, w_lp), (g_ids, g_text, g_reason, g_stop, g_lp) in zip(want[rid], got[rid]):
+            assert (g_ids, g_text, g_reason, g_stop) == (w_ids, w_text, w_reason, w_stop), rid
+            assert g_lp == pytest.approx(w_lp, abs=1e-4), rid
+    # Requests stopped by a token or a string before max_tokens were among them.
+    assert any(r[0][2] == "stop" and len(r[0][0]) < sp.max_tokens
+               for (rid, _, sp), r in zip(workload, (got[rid] for rid, _, _ in workload)))
+
+
+def _launch_order(engine: LLMEngine) -> list[str]:
+    """Record the order in which the engine launches and collects steps."""
+    events = []
+    launch, collect = engine.runner.launch, engine.runner.collect
+
+    def logged_launch(out):
+        step = launch(out)
+        if step is not None:
+            events.append("launch")
+        return step
+
+    def logged_collect(step):
+        events.append("collect")
+        return collect(step)
+    engine.runner.launch, engine.runner.collect = logged_launch, logged_collect
+    return events
+
+
+def test_async_engine_launches_the_next_step_before_taking_in_the_last(tiny):
+    path, _ = tiny
+    engine = _engine(path)
+    events = _launch_order(engine)
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Each step is launched before the previous one is collected; the last call only takes one in.
+    n = events.count("launch")
+    assert n == 6 and events == ["launch"] + ["launch", "collect"] * (n - 1) + ["collect"]
+
+
+def test_penalties_make_steps_synchronous(tiny):
+    """Penalties count the previous step's token on the host, so those steps alternate launch/collect,
+    and the output equals the synchronous engine's."""
+    path, _ = tiny
+    sp = SamplingParams(temperature=0.0, max_tokens=8, frequency_penalty=1.5, ignore_eos=True)
+    outs = []
+    for async_scheduling in (True, False):
+        engine = _engine(path, async_scheduling=async_scheduling)
+        events = _launch_order(engine)
+        engine.add_request("p", [9, 8, 7, 6], sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs.append(out.outputs[0].token_ids)
+        assert events == ["launch", "collect"] * (len(events) // 2)
+    assert outs[0] == outs[1]
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything(tiny):
+    path, _ = tiny
+    engine = _engine(path)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("x", [3, 4, 5, 6], sp)
+    engine.add_request("y", [7, 8, 9], sp)
+    while not engine.step():
+        pass
+    engine.abort_request("x")                   # its next step is already on the device
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert "x" not in finished and len(finished["y"].outputs[0].token_ids) == 20
+    assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
+    engine.step()                               # hands the last finished ids to the runner
+    assert len(engine.runner.slots) == 0
+
+
+def test_persistent_block_tables_follow_the_requests(tiny):
+    """After every prepare, each scheduled sequence's slot holds exactly its block table, through
+    growth, prefix hits, forks with copy-on-write, preemption and swap."""
+    path, hf = tiny
+    engine = _engine(path, preemption_mode="swap", swap_space=1 << 16, num_gpu_blocks_override=24)
+    prepare, slots = engine.runner.prepare, engine.runner.slots
+    checked = []
+
+    def checked_prepare(out):
+        batch = prepare(out)
+        for r in out.requests + [c for _, c in out.forks]:
+            s = slots.slot(r)
+            assert slots.num_blocks[s] == len(r.block_ids), r.request_id
+            assert slots.block_tables[s, :len(r.block_ids)].tolist() == r.block_ids, r.request_id
+            assert not slots.block_tables[s, len(r.block_ids):].any(), r.request_id
+        checked.append(len(out.requests))
+        return batch
+    engine.runner.prepare = checked_prepare
+    _run(engine, _workload(hf.config.vocab_size))
+    assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
+
+
+def test_output_kinds(tiny):
+    """DELTA outputs add up to the CUMULATIVE ones; FINAL_ONLY yields only the finished output."""
+    path, _ = tiny
+    engine = _engine(path)
+    prompt = [11, 12, 13, 14, 15]
+    outs = {}
+    for kind in RequestOutputKind:
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, output_kind=kind)
+        engine.add_request(kind.name, prompt, sp)
+        outs[kind.name] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    cumulative, delta, final = outs["CUMULATIVE"], outs["DELTA"], outs["FINAL_ONLY"]
+    assert len(final) == 1 and final[0].finished and len(cumulative) == len(delta) > 1
+    full = cumulative[-1].outputs[0]
+    assert "".join(o.outputs[0].text for o in delta) == full.text == final[0].outputs[0].text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == full.token_ids == final[0].outputs[0].token_ids
+    assert sum((o.outputs[0].logprobs for o in delta), []) == full.logprobs
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 13))
+
+
+def test_output_kind_is_validated():
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="final")
