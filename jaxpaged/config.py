@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas", "pallas_interpret")
+MATMUL_BACKENDS = ("auto", "cpu", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged", "xla")
@@ -46,6 +47,9 @@ class EngineArgs:
     attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
                                   "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
                                   "(cpu) if it was built at install, else plain XLA ops (xla).")
+    matmul_backend: str = _arg("auto", f"Dense projections, one of {MATMUL_BACKENDS}: auto = on one CPU device the "
+                               "native C++ matmul (cpu; weights packed once at load; AVX512-BF16 in bfloat16) "
+                               "if it was built at install, else XLA's dot (xla).")
     tensor_parallel_size: int = _arg(1, "Devices one engine's model is split over by attention heads (and MLP "
                                      "width, vocabulary); must divide the model's query heads.")
     data_parallel_size: int = _arg(1, "Engine replicas behind one front end, each on its own "
@@ -105,6 +109,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     attention_backend: str
+    matmul_backend: str
     compilation_cache_dir: str | None
     precompile: bool
     parallel: ParallelConfig = ParallelConfig()
@@ -133,6 +138,8 @@ class EngineConfig:
         if a.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {a.attention_backend!r}.")
+        if a.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {a.matmul_backend!r}.")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(a, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -144,6 +151,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill,
                                       a.preemption_mode),
             attention_backend=a.attention_backend,
+            matmul_backend=a.matmul_backend,
             compilation_cache_dir=a.compilation_cache_dir,
             precompile=a.precompile,
             parallel=ParallelConfig(a.tensor_parallel_size, a.data_parallel_size),

@@ -41,7 +41,7 @@ from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.weights import load_checkpoint
 from models.registry import build_model
-from pallas_kernels import resolve_backend
+from pallas_kernels import resolve_backend, resolve_matmul_backend
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class LLMEngine:
         mc, cc, sc = config.model, config.cache, config.scheduler
         tp = config.parallel.tensor_parallel_size
         mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
+        matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size)
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -155,7 +156,7 @@ class LLMEngine:
         ckpt = load_checkpoint(mc.model, dtype=dtype)
         self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path)
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
-                            params=ckpt.params)
+                            params=ckpt.params, matmul_backend=matmul)
         del ckpt
         if mesh is not None:
             model = parallel.shard_model(model, mesh)

@@ -34,6 +34,7 @@ from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from models.registry import BuiltModel
 from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
+from pallas_kernels.kv_ops import gather_blocks, scatter_blocks
 from pallas_kernels.metadata import num_prefill_tiles
 
 logger = logging.getLogger(__name__)
@@ -263,18 +264,8 @@ class SequenceSlots:
 
 
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
-
-
-@jax.jit
-def _gather_blocks(kv_pages, idx):
-    return kv_pages[:, :, idx]
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_blocks(kv_pages, blocks, dst):
-    """``kv_pages[:, :, dst[i]] = blocks[:, :, i]``; ``dst < 0`` is skipped."""
-    dst = jnp.where(dst < 0, kv_pages.shape[2], dst)
-    return kv_pages.at[:, :, dst].set(blocks, mode="drop")
+_gather_blocks = jax.jit(gather_blocks)
+_scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
 
 
 class ModelRunner:

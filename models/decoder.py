@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import AttentionMetadata, write_kv
-from pallas_kernels.sharded import paged_attention, split_fused
+from pallas_kernels import AttentionMetadata, cpu_matmul
+from pallas_kernels.kv_ops import take_rows
+from pallas_kernels.sharded import paged_attention, split_fused, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 NORMS = ("rmsnorm", "layernorm")
@@ -126,6 +127,50 @@ def layer_name(i: int) -> str:
     return f"layers_{i}"
 
 
+class Embed(nn.Module):
+    """An embedding table ``[num_embeddings, features]``: ``__call__`` looks rows up (a 16-bit
+    table through an integer view: no float32 copy of the table on CPU), ``attend`` is ``h @ table.T``."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+
+    def setup(self) -> None:
+        self.embedding = self.param("embedding", nn.linear.default_embed_init,
+                                    (self.num_embeddings, self.features), self.dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return take_rows(self.embedding, ids)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return jnp.dot(h, self.embedding.T)
+
+
+class Linear(nn.Module):
+    """A dense layer ``x @ kernel (+ bias)``. With the ``cpu`` matmul backend its kernel is the
+    native CPU matmul's packed weight (``pack_for_matmul_backend`` packs a ``[in, out]`` kernel once,
+    at load); otherwise the ``[in, out]`` kernel goes through XLA's dot."""
+
+    features: int
+    use_bias: bool
+    dtype: Any
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = x.shape[-1]
+        if self.backend == "cpu":
+            shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
+            kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
+            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features).reshape(*x.shape[:-1], self.features)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features), self.dtype)
+            y = jnp.dot(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
 class Norm(nn.Module):
     """RMSNorm (``weight``) or LayerNorm (``weight``, ``bias``), statistics in float32."""
 
@@ -155,13 +200,14 @@ class DecoderLayer(nn.Module):
     attention_backend: str
     layer: int = 0
     mesh: Any = None    # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
+    matmul_backend: str = "xla"
 
     @nn.compact
     def __call__(self, h: jax.Array, kv_pages: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         c, layer = self.cfg, self.layer
         T = h.shape[0]
-        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend)
         attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
         mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, name="post_attention_layernorm")
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -173,7 +219,7 @@ class DecoderLayer(nn.Module):
         k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
+        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh)
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
                                scale=scale, sliding_window=c.sliding_window)
@@ -202,13 +248,14 @@ class DecoderForCausalLM(nn.Module):
     dtype: Any = jnp.float32
     attention_backend: str = "xla"
     mesh: Any = None    # set by jaxpaged.parallel.shard_model for tensor parallelism
+    matmul_backend: str = "xla"     # "cpu": kernels packed for the native CPU matmul (one device only)
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices):
         c = self.cfg
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+        dense = functools.partial(Linear, use_bias=False, dtype=self.dtype, backend=self.matmul_backend)
         project = c.embed_dim != c.hidden_size
-        embed = nn.Embed(c.vocab_size, c.embed_dim, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        embed = Embed(c.vocab_size, c.embed_dim, self.dtype, name="embed_tokens")
         h = embed(input_ids)
         if project:
             h = dense(c.hidden_size, name="project_in")(h)
@@ -217,18 +264,35 @@ class DecoderForCausalLM(nn.Module):
             angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
             rope = jnp.cos(angles), jnp.sin(angles)
         else:
-            h = h + nn.Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, dtype=self.dtype,
-                             param_dtype=self.dtype, name="embed_positions")(positions + c.position_offset)
+            h = h + Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, self.dtype,
+                          name="embed_positions")(positions + c.position_offset)
         for i in range(c.num_layers):
-            h, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh, name=layer_name(i))(
-                h, kv_pages, rope, md)
+            h, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh, self.matmul_backend,
+                                       name=layer_name(i))(h, kv_pages, rope, md)
         h = h[logits_indices]
         if c.final_norm:
             h = Norm(c.norm, c.norm_eps, self.dtype, name="norm")(h)
         if project:
             h = dense(c.embed_dim, name="project_out")(h)
-        logits = embed.attend(h) if c.tie_word_embeddings else dense(c.vocab_size, name="lm_head")(h)
+        # The native matmul needs its own packed copy of a tied head (the embedding, transposed).
+        tied = c.tie_word_embeddings and self.matmul_backend != "cpu"
+        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head")(h)
         return logits.astype(jnp.float32), kv_pages
+
+
+def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backend: str) -> dict:
+    """The param tree the model runs with on ``backend``: as stored for ``xla``; for ``cpu`` every
+    dense kernel packed for the native matmul (host numpy, once), plus a tied model's ``lm_head``
+    (its embedding, transposed, packed)."""
+    if backend == "xla":
+        return params
+
+    def pack(path, a):
+        return cpu_matmul.pack_weight(np.asarray(a), dtype) if path[-1].key == "kernel" else a
+    packed = jax.tree_util.tree_map_with_path(pack, params)
+    if cfg.tie_word_embeddings:
+        packed["lm_head"] = {"kernel": cpu_matmul.pack_weight(np.asarray(params["embed_tokens"]["embedding"]).T, dtype)}
+    return packed
 
 
 def init_params(cfg: DecoderConfig, dtype: Any) -> dict:

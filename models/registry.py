@@ -12,7 +12,8 @@ import flax.linen as nn
 import numpy as np
 
 from models import gpt2, llama, opt
-from models.decoder import PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, parallel_style
+from models.decoder import (PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, pack_for_matmul_backend,
+                            parallel_style)
 
 __all__ = ["PARALLEL_STYLE", "BuiltModel", "Family", "ModelShape", "build_model", "column_sections",
            "parallel_style", "supported_architectures"]
@@ -69,9 +70,12 @@ def model_shape(cfg: DecoderConfig) -> ModelShape:
 
 
 def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
-                attention_backend: str, params: Any = None) -> BuiltModel:
-    """``params``, if given, is the ready param tree (an orbax checkpoint's) and ``tensors`` is unused."""
+                attention_backend: str, params: Any = None, matmul_backend: str = "xla") -> BuiltModel:
+    """``params``, if given, is the ready param tree (an orbax checkpoint's) and ``tensors`` is unused.
+    With ``matmul_backend="cpu"`` the params are packed for the native CPU matmul (not a tree to save)."""
     arch, cfg = config_from_hf(hf_config)
     if params is None:
         params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype)
-    return BuiltModel(DecoderForCausalLM(cfg, dtype, attention_backend), params, model_shape(cfg))
+    params = pack_for_matmul_backend(params, cfg, dtype, matmul_backend)
+    module = DecoderForCausalLM(cfg, dtype, attention_backend, matmul_backend=matmul_backend)
+    return BuiltModel(module, params, model_shape(cfg))

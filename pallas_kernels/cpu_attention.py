@@ -23,6 +23,7 @@ import numpy as np
 from pallas_kernels.metadata import AttentionMetadata
 
 _TARGET = "jaxpaged_paged_attention_cpu"
+_WRITE_TARGET = "jaxpaged_write_kv_cpu"
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LIBRARY_STEM = "_paged_attention_cpu"
 
@@ -44,7 +45,20 @@ def native_kernel_available() -> bool:
         return False
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionCpu), platform="cpu")
+    jax.ffi.register_ffi_target(_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxpagedWriteKvCpu), platform="cpu")
     return True
+
+
+def cpu_write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """``pallas_kernels.write_kv`` in place (the page array is the call's aliased output): XLA's CPU
+    scatter converts a bfloat16 pool to float32 and back for every write."""
+    if not native_kernel_available():
+        raise RuntimeError("the native CPU attention kernel was not built (no C++ compiler at install time?); "
+                           "reinstall jaxpaged with g++ available, or use attention_backend='xla'")
+    call = jax.ffi.ffi_call(_WRITE_TARGET, jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+                            input_output_aliases={0: 0})
+    return call(kv_pages, k.astype(kv_pages.dtype), v.astype(kv_pages.dtype), slot_mapping,
+                jnp.asarray(layer, jnp.int32).reshape(()))
 
 
 def cpu_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,

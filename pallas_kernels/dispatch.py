@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_ops
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.xla_attention import xla_paged_attention
 
@@ -22,11 +23,38 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
     return "cpu" if supported and native_kernel_available() else "xla"
 
 
+def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, num_devices: int = 1) -> str:
+    """``auto`` becomes ``cpu`` (the native CPU matmul) on one CPU device when it was built and
+    supports ``dtype`` (float32, bfloat16), else ``xla``; an explicit ``cpu`` that cannot run is a
+    ``ValueError``."""
+    from pallas_kernels.cpu_matmul import DTYPES, native_matmul_available
+    platform = platform or jax.default_backend()
+    problem = (f"the platform is {platform}" if platform != "cpu" else
+               f"the model is split over {num_devices} devices" if num_devices > 1 else
+               f"it does not take {jnp.dtype(dtype)}" if dtype is not None and jnp.dtype(dtype) not in DTYPES else
+               "it was not built (no C++ compiler at install time?)" if not native_matmul_available() else None)
+    if name == "auto":
+        return "xla" if problem else "cpu"
+    if name == "cpu" and problem:
+        raise ValueError(f"matmul_backend='cpu' (the native CPU matmul) cannot run here: {problem}; use 'xla' or 'auto'.")
+    return name
+
+
 def gathers_pages(backend: str) -> bool:
     """The XLA backend gathers whole block-table rows (its cost grows with the table's width) and
     attends prefill chunks in host-built tiles; the kernels read pages in place, each row only up
     to its own length, so their callers can pass full-width tables and no tiles."""
     return backend == "xla"
+
+
+def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+             backend: str) -> jax.Array:
+    """Store one layer's new ``k, v[T, Hkv, D]`` at their flat slots: in place through the native
+    kernel with the ``cpu`` backend, else as an XLA scatter (in place under donation)."""
+    if backend == "cpu":
+        from pallas_kernels.cpu_attention import cpu_write_kv
+        return cpu_write_kv(kv_pages, layer, k, v, slot_mapping)
+    return kv_ops.write_kv(kv_pages, layer, k, v, slot_mapping)
 
 
 def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, backend: str,

@@ -55,6 +55,20 @@ def split_fused(x: jax.Array, sizes: Sequence[int], mesh: Any = None) -> tuple[j
                  for part, s in zip(local, sizes))
 
 
+def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, backend: str,
+             mesh: Any = None) -> jax.Array:
+    """``pallas_kernels.dispatch.write_kv`` (same arguments), per head shard when ``mesh`` is given:
+    each device stores its own kv heads into its own slice of the page array."""
+    if mesh is None:
+        return dispatch.write_kv(kv_pages, layer, k, v, slot_mapping, backend=backend)
+
+    def local(kv_pages, layer, k, v, slot_mapping):
+        return dispatch.write_kv(kv_pages, layer, k, v, slot_mapping, backend=backend)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(KV_PAGES, P(), HEADS, HEADS, P()), out_specs=KV_PAGES,
+                         check_vma=False)(kv_pages, layer, k, v, slot_mapping)
+
+
 def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, mesh: Any = None,
                     **kwargs) -> jax.Array:
     """``pallas_kernels.paged_attention`` (same arguments), run per head shard when ``mesh`` is given:

@@ -3,10 +3,13 @@ and the chosen tokens' logprobs agree, under every batching and caching regime."
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from jaxpaged import LLM, SamplingParams
+from pallas_kernels.cpu_matmul import native_matmul_available
 from tiny_models import hf_greedy, random_prompts
 
 PROMPT_LENGTHS = [1, 5, 17, 40, 9, 23]
@@ -129,3 +132,45 @@ def test_auto_backend_on_cpu_is_the_native_kernel(reference, prompts):
     path, _ = reference("gqa_untied")
     llm = LLM(str(path))
     assert llm.engine.runner.model.module.attention_backend == "cpu"
+
+
+MATMUL_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
+    not native_matmul_available(), reason="native CPU matmul not built"))]
+
+
+@pytest.mark.parametrize("matmul_backend", MATMUL_BACKENDS)
+@pytest.mark.parametrize("variant", ["gqa_untied", "mha_tied"])
+def test_matmul_backends_match_hf(matmul_backend, variant, reference, prompts):
+    """XLA's dot and the native CPU matmul (packed weights; a tied head packed apart) in the whole
+    engine, with chunked prefill: HF's greedy tokens and logprobs."""
+    path, ref = reference(variant)
+    llm, outs = generate(path, prompts, matmul_backend=matmul_backend, max_num_batched_tokens=32)
+    assert llm.engine.runner.model.module.matmul_backend == matmul_backend
+    assert_matches_hf(outs, ref)
+
+
+@pytest.mark.parametrize("matmul_backend", MATMUL_BACKENDS)
+def test_bfloat16_prompt_logprobs_close_to_hf_float32(matmul_backend, tiny, prompts):
+    """The bfloat16 path end to end (weights, matmuls, KV pages written and read in bf16, chunked
+    prefill): teacher-forced prompt logprobs stay within bf16 rounding of HF's float32 ones."""
+    path, hf = tiny
+    llm = LLM(str(path), dtype="bfloat16", matmul_backend=matmul_backend, max_num_batched_tokens=16)
+    assert llm.engine.runner.kv_pages.dtype == jnp.bfloat16
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        if len(prompt) < 2:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, :-1].double()
+        want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+        got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        np.testing.assert_allclose(got, want, atol=0.08, rtol=0.02)
+
+
+def test_matmul_backend_errors(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="matmul_backend must be one of"):
+        LLM(str(path), matmul_backend="blas")
+    with pytest.raises(ValueError, match="matmul_backend='cpu'.*cannot run here: it does not take float16"):
+        LLM(str(path), dtype="float16", matmul_backend="cpu")

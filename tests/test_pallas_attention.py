@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import dispatch
+from pallas_kernels.cpu_attention import native_kernel_available
 from pallas_kernels.dispatch import paged_attention
-from pallas_kernels.kv_ops import copy_blocks, write_kv
+from pallas_kernels.kv_ops import copy_blocks
 from pallas_kernels.metadata import PAD_SLOT, AttentionMetadata, build_prefill_tiles, num_prefill_tiles
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -294,29 +296,32 @@ def test_rejects_bad_shapes() -> None:
 # ------------------------------------------------------------------------------ KV ops
 
 
-def test_write_kv_lands_at_slots_and_skips_padding() -> None:
+KV_WRITE_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
+    not native_kernel_available(), reason="native CPU kernel not built"))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("backend", KV_WRITE_BACKENDS)
+def test_write_kv_lands_at_slots_in_place_and_skips_padding(backend: str, dtype) -> None:
+    """Every backend writes exactly the rows of valid slots (padding: -1 or past the pool), into the
+    donated page array itself (no copy of the pool)."""
     L, NB, bs, Hkv, D = 3, 6, 4, 2, 8
     rng = np.random.default_rng(1)
-    pages = rng.standard_normal((L, 2, NB, bs, Hkv, D)).astype(np.float32)
-    k = rng.standard_normal((5, Hkv, D)).astype(np.float32)
-    v = rng.standard_normal((5, Hkv, D)).astype(np.float32)
-    slots = np.array([4 * 3 + 1, PAD_SLOT, 0, 4 * 5 + 3, PAD_SLOT], np.int32)
-    out = np.asarray(jax.jit(write_kv)(jnp.asarray(pages), jnp.int32(2), k, v, slots))
+    pages = rng.standard_normal((L, 2, NB, bs, Hkv, D)).astype(dtype)
+    k = rng.standard_normal((6, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((6, Hkv, D)).astype(np.float32)
+    slots = np.array([4 * 3 + 1, PAD_SLOT, 0, 4 * 5 + 3, PAD_SLOT, NB * bs], np.int32)
+    write = jax.jit(functools.partial(dispatch.write_kv, backend=backend), donate_argnums=(0,))
+    device_pages = jnp.asarray(pages)
+    before = device_pages.unsafe_buffer_pointer()
+    out = write(device_pages, jnp.int32(2), k, v, slots)
+    assert out.unsafe_buffer_pointer() == before and out.dtype == jnp.dtype(dtype)
     expected = pages.copy()
     for t, s in enumerate(slots):
-        if s >= 0:
-            expected[2, 0, s // bs, s % bs] = k[t]
-            expected[2, 1, s // bs, s % bs] = v[t]
-    np.testing.assert_array_equal(out, expected)
-
-
-def test_write_kv_casts_to_pool_dtype() -> None:
-    pages = jnp.zeros((1, 2, 2, 4, 1, 8), jnp.bfloat16)
-    k = jnp.full((1, 1, 8), 1.5, jnp.float32)
-    out = jax.jit(write_kv)(pages, 0, k, -k, jnp.array([5], jnp.int32))
-    assert out.dtype == jnp.bfloat16
-    assert float(out[0, 0, 1, 1, 0, 0]) == 1.5 and float(out[0, 1, 1, 1, 0, 0]) == -1.5
-    assert float(jnp.abs(out).sum()) == 2 * 1.5 * 8
+        if 0 <= s < NB * bs:
+            expected[2, 0, s // bs, s % bs] = k[t].astype(dtype)
+            expected[2, 1, s // bs, s % bs] = v[t].astype(dtype)
+    np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 def test_copy_blocks_copies_every_layer_and_skips_negative_dst() -> None:

@@ -785,7 +785,54 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Stores one layer's new K and V rows (k, v[T, Hkv, D]) at their flat slots of the page array,
+// in place: the result is the page array itself (aliased to the input by the caller), so a step
+// writes T rows instead of XLA's scatter, which for bfloat16 converts the whole pool to float32
+// and back. Slots < 0 or past the pool are padding and write nothing.
+ffi::Error WriteKvImpl(ffi::AnyBuffer kv_pages, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slot_mapping,
+                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
+  const auto kd = kv_pages.dimensions();
+  const auto td = k.dimensions();
+  const auto vd = v.dimensions();
+  if (kd.size() != 6 || td.size() != 3 || vd.size() != 3 || !std::equal(td.begin(), td.end(), vd.begin()) ||
+      td[1] != kd[4] || td[2] != kd[5] || slot_mapping.dimensions().size() != 1 ||
+      slot_mapping.dimensions()[0] != td[0])
+    return ffi::Error::InvalidArgument("write_kv_cpu: expected kv_pages[L,2,N,bs,Hkv,D], k and v [T,Hkv,D], "
+                                       "slot_mapping[T]");
+  if (k.element_type() != kv_pages.element_type() || v.element_type() != kv_pages.element_type())
+    return ffi::Error::InvalidArgument("write_kv_cpu: k, v and kv_pages must share a dtype");
+  const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= kd[0])
+    return ffi::Error::InvalidArgument("write_kv_cpu: layer out of range");
+  char* pages = static_cast<char*>(out->untyped_data());
+  if (pages != kv_pages.untyped_data())  // not aliased (XLA kept the input alive): start from a copy
+    std::memcpy(pages, kv_pages.untyped_data(), kv_pages.size_bytes());
+  const int64_t row_bytes = td[1] * td[2] * ffi::ByteWidth(k.element_type());
+  const int64_t num_slots = kd[2] * kd[3];
+  const int64_t half = num_slots * row_bytes;  // K (or V) part of one layer
+  char* k_dst = pages + layer_index * 2 * half;
+  const char* k_src = static_cast<const char*>(k.untyped_data());
+  const char* v_src = static_cast<const char*>(v.untyped_data());
+  const int32_t* slots = slot_mapping.typed_data();
+  for (int64_t t = 0; t < td[0]; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0 || s >= num_slots) continue;
+    std::memcpy(k_dst + s * row_bytes, k_src + t * row_bytes, row_bytes);
+    std::memcpy(k_dst + half + s * row_bytes, v_src + t * row_bytes, row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedWriteKvCpu, WriteKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionCpu, PagedAttentionImpl,
                               ffi::Ffi::Bind()
