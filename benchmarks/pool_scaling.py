@@ -1,8 +1,9 @@
 """Decode-step time against KV pool size: the pool is donated and written in place, so a step's
 cost must not grow when the pool does.
 
-Uses SmolLM2-135M's shape with random weights (step time does not depend on weight values) and
-runs pool sizes in alternation, quoting medians. ``python -m benchmarks.pool_scaling``
+Uses SmolLM2-135M's shape with random weights (step time does not depend on weight values), the
+engine's default backends (``--attention-backend``, ``--matmul-backend``), and runs pool sizes in
+alternation, quoting medians. ``python -m benchmarks.pool_scaling``
 """
 
 from __future__ import annotations
@@ -18,13 +19,24 @@ from jaxpaged.model_runner import ModelRunner
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import SchedulerOutput
+from models.decoder import pack_for_matmul_backend
 from models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
 from models.registry import BuiltModel, ModelShape
+from pallas_kernels import resolve_backend, resolve_matmul_backend
 
 SMOLLM2 = LlamaArchConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
                           tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False,
                           rope_theta=100000.0)
+
+
+def smollm2_model(dtype=jnp.float32, attention_backend: str = "auto", matmul_backend: str = "auto") -> BuiltModel:
+    """SmolLM2-135M's shape with random weights, on the given (or the engine's default) backends."""
+    attention = resolve_backend(attention_backend, dtype=dtype)
+    matmul = resolve_matmul_backend(matmul_backend, dtype=dtype)
+    params = pack_for_matmul_backend(init_params(SMOLLM2, dtype), SMOLLM2, dtype, matmul)
+    return BuiltModel(LlamaForCausalLM(SMOLLM2, dtype, attention, matmul_backend=matmul), params,
+                      ModelShape(30, 3, 64, 49152, 8192))
 
 
 def decode_batch(batch: int, context: int, block_size: int) -> SchedulerOutput:
@@ -47,10 +59,11 @@ def main() -> None:
     ap.add_argument("--base-blocks", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (A, B, A, B, ...)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--matmul-backend", default="auto")
     args = ap.parse_args()
 
-    model = BuiltModel(LlamaForCausalLM(SMOLLM2, jnp.float32, "xla"), init_params(SMOLLM2, jnp.float32),
-                       ModelShape(30, 3, 64, 49152, 8192))
+    model = smollm2_model(attention_backend=args.attention_backend, matmul_backend=args.matmul_backend)
     sizes = {"1x": args.base_blocks, "4x": 4 * args.base_blocks}
     needed = args.batch * -(-args.context // args.block_size) + 1
     if needed > args.base_blocks:
@@ -70,7 +83,8 @@ def main() -> None:
                 times[k].append(time.perf_counter() - t)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(f"decode step, batch {args.batch}, context {args.context}, block size {args.block_size}, "
-          f"SmolLM2-135M shape, float32, XLA backend")
+          f"SmolLM2-135M shape, float32, attention {model.module.attention_backend}, "
+          f"matmul {model.module.matmul_backend}")
     print(f"{'pool':>6} {'blocks':>7} {'MiB':>8} {'median ms':>10} {'min ms':>8}")
     for k, n in sizes.items():
         mib = runners[k].kv_pages.nbytes / 2**20

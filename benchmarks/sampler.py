@@ -1,11 +1,11 @@
 """Sampler cost per step against the model forward, at batch 256 over SmolLM2's 49152-token vocabulary.
 
 The sampler runs on device logits as its own jitted program; its inputs come from
-``ModelRunner._sampling_arrays`` (the host side, timed separately) for requests with
+``ModelRunner._sampling_tensors`` (the host side, timed separately) for requests with
 mixed parameters. Logit rows are Gaussian with a per-row scale: sharp rows (scale 5) keep
 their top-p nucleus within the sampler's candidate set; flat rows (scale 1) do not and take
 the exact bisection path. The forward is a decode step of the SmolLM2-135M shape with random
-weights (the XLA backend, float32). Medians over interleaved repetitions, of wall time and of
+weights (the engine's default backends, float32). Medians over interleaved repetitions, of wall time and of
 process CPU time (steadier than wall time on a shared machine).
 ``python -m benchmarks.sampler``
 """
@@ -21,12 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.pool_scaling import SMOLLM2, decode_batch
+from benchmarks.pool_scaling import decode_batch, smollm2_model
 from jaxpaged.model_runner import ModelRunner, sample_fn, step_fn
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
-from models.llama import LlamaForCausalLM, init_params
-from models.registry import BuiltModel, ModelShape
 
 VOCAB = 49152
 
@@ -79,23 +77,23 @@ def main() -> None:
     scale = np.where(np.arange(B) % 2 == 0, 5.0, 1.0).astype(np.float32)[:, None]
     logits = {"sharp": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * 5.0),
               "half flat": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * scale)}
+    model = smollm2_model()
+    per_req = -(-args.context // args.block_size)
+    runner = ModelRunner(model, num_blocks=B * per_req + 1, block_size=args.block_size, dtype=jnp.float32,
+                         max_num_batched_tokens=max(512, B), max_num_seqs=B, max_model_len=8192)
     cases = {}                      # name -> (logits, SamplingTensors on device, flags)
     host_ms = {}
     for kind, logit_kind in [("greedy", "sharp"), ("random", "sharp"), ("mixed", "sharp"), ("mixed", "half flat")]:
         reqs = requests(kind, B, args.context, rng)
+        slots = runner.slots.slots(reqs)        # the persistent batch's rows, written once per sequence
         seq_lens = np.full(B, args.context, np.int32)
         t = time.perf_counter()
-        st, flags = ModelRunner._sampling_arrays(reqs, seq_lens, B, np.zeros(0, np.int32))
+        st, flags = runner._sampling_tensors(reqs, slots, seq_lens, B, [])
         name = f"{kind}, {logit_kind} logits"
         host_ms[name] = (time.perf_counter() - t) * 1e3
         cases[name] = (logits[logit_kind], jax.device_put(st), flags)
+        runner.slots.update([], [r.request_id for r in reqs])
     targets = jnp.zeros(0, jnp.int32)
-
-    model = BuiltModel(LlamaForCausalLM(SMOLLM2, jnp.float32, "xla"), init_params(SMOLLM2, jnp.float32),
-                       ModelShape(30, 3, 64, VOCAB, 8192))
-    per_req = -(-args.context // args.block_size)
-    runner = ModelRunner(model, num_blocks=B * per_req + 1, block_size=args.block_size, dtype=jnp.float32,
-                         max_num_batched_tokens=max(512, B), max_num_seqs=B, max_model_len=8192)
     batch = runner.prepare(decode_batch(B, args.context, args.block_size))
     inputs = jax.device_put((batch.input_ids, batch.positions, batch.md, batch.logits_indices))
 
@@ -104,7 +102,8 @@ def main() -> None:
         return out
 
     fns = {"model forward (decode)": forward}
-    fns.update({name: (lambda c=c: sample_fn(c[0], c[1], targets, flags=c[2])) for name, c in cases.items()})
+    fns.update({name: (lambda c=c: sample_fn(c[0], c[1], targets, flags=c[2], num_token_slots=B))
+                for name, c in cases.items()})
     for fn in fns.values():
         timed(fn, 1)                                # compile and warm up
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}

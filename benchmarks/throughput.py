@@ -3,13 +3,19 @@ side with Hugging Face transformers static batching (``--peer hf``) or vLLM's CP
 (``--peer vllm``: ``vllm.LLM.generate`` in a virtualenv of its own, see ``benchmarks/vllm_peer.py``)
 on the same model and requests (same token ids and output lengths, ignore_eos, temperature 0).
 
-``python -m benchmarks.throughput --n 64 --seed 0 [--peer hf] [--peer vllm]``
+jaxpaged and vLLM run each dtype of ``--dtypes`` with the same KV-cache space (``--kv-cache-gib``)
+and the same step budget; prefix caching is off for both unless ``--prefix-caching`` (every round
+repeats the same prompts, which a prefix cache would skip after the first). Each system's figure
+is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
+
+``python -m benchmarks.throughput --n 64 --seed 0 [--dtypes float32,bfloat16] [--peer hf] [--peer vllm]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -32,8 +38,10 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - t)
         assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
-    return {"system": "jaxpaged", "load_s": load_s, "seconds": runs,
-            "compiled_programs": llm.engine.runner.num_compiled_programs}
+    e = llm.engine
+    return {"system": f"jaxpaged ({engine_args['dtype']})", "load_s": load_s, "warmup_s": e.warmup_time,
+            "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
+            "preemptions": e.scheduler.num_preemptions}
 
 
 def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> dict:
@@ -70,22 +78,14 @@ def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> d
     return best
 
 
-def run_vllm(reqs: list[WorkloadRequest], args, ours_rows: list[dict]) -> list[dict]:
-    """vLLM rows (best round per dtype), each with the ratio of ours (best round) to it."""
+def run_vllm(reqs: list[WorkloadRequest], args, dtype: str) -> dict:
     from benchmarks import vllm_peer
 
     vllm_peer.setup()
-    ours = max(r["output_tok_per_s"] for r in ours_rows if r["system"].startswith("jaxpaged"))
-    rows = []
-    for dtype in args.vllm_dtypes.split(","):
-        res = vllm_peer.run(reqs, args.model, dtype, args.vllm_rounds, args.max_num_seqs,
-                            args.max_num_batched_tokens)
-        print(f"{res['system']}: load {res['load_s']:.1f} s, rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
-        row = report(res["system"], reqs, min(res["seconds"]))
-        row["ratio_jaxpaged_over_peer"] = ours / row["output_tok_per_s"]
-        print(f"  ratio jaxpaged / {res['system']} (output tok/s): {row['ratio_jaxpaged_over_peer']:.2f}x")
-        rows.append(row)
-    return rows
+    res = vllm_peer.run(reqs, args.model, dtype, args.rounds, args.max_num_seqs, args.max_num_batched_tokens,
+                        args.kv_cache_gib, args.prefix_caching)
+    print(f"{res['system']}: load {res['load_s']:.1f} s, rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
+    return res
 
 
 def report(name: str, reqs: list[WorkloadRequest], seconds: float) -> dict:
@@ -93,48 +93,66 @@ def report(name: str, reqs: list[WorkloadRequest], seconds: float) -> dict:
     all_tokens = out_tokens + sum(len(r.prompt_token_ids) for r in reqs)
     row = {"system": name, "n": len(reqs), "seconds": seconds, "req_per_s": len(reqs) / seconds,
            "output_tok_per_s": out_tokens / seconds, "total_tok_per_s": all_tokens / seconds}
-    print(f"{name:<28} {len(reqs):>4} {seconds:>9.1f} {row['req_per_s']:>8.2f} "
+    print(f"{name:<32} {len(reqs):>4} {seconds:>9.1f} {row['req_per_s']:>8.2f} "
           f"{row['output_tok_per_s']:>12.1f} {row['total_tok_per_s']:>12.1f}")
     return row
 
 
+HEADER = f"{'system':<32} {'n':>4} {'seconds':>9} {'req/s':>8} {'out tok/s':>12} {'total tok/s':>12}"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; jaxpaged and vLLM run each")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=2, help="jaxpaged runs (the first includes compilation)")
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of each system")
+    ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (both systems)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed generate() calls per system and dtype")
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
-    ap.add_argument("--hf-batch-sizes", default="1,8")
-    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM runs, one per dtype")
-    ap.add_argument("--vllm-rounds", type=int, default=2)
+    ap.add_argument("--hf-batch-sizes", default="1,8,32", help="HF's figure is its best batch size")
     args = ap.parse_args()
 
     reqs = synthetic(args.n, args.seed)
-    engine_args = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512)
-    res = run_jaxpaged(reqs, engine_args, args.rounds)
-    print(f"jaxpaged: load {res['load_s']:.1f} s, compiled step programs {res['compiled_programs']}")
-    header = f"{'system':<28} {'n':>4} {'seconds':>9} {'req/s':>8} {'out tok/s':>12} {'total tok/s':>12}"
-    print(header)
-    rows = [report(f"jaxpaged (run {i + 1})", reqs, s) for i, s in enumerate(res["seconds"])]
+    dtypes = args.dtypes.split(",")
+    rows, runs = [], []
+    for dtype in dtypes:
+        engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
+                           kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching)
+        res = run_jaxpaged(reqs, engine_args, args.rounds)
+        print(f"{res['system']}: load {res['load_s']:.1f} s (of which precompile {res['warmup_s']:.1f} s), "
+              f"{res['compiled_programs']} compiled step programs, {res['preemptions']} preemptions, "
+              f"rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
+        runs.append(res)
+    for dtype in dtypes if "vllm" in args.peer else []:
+        runs.append(run_vllm(reqs, args, dtype))
+    print(HEADER)
+    for res in runs:
+        rows.append({**report(res["system"], reqs, statistics.median(res["seconds"])), "rounds_s": res["seconds"],
+                     **{k: res[k] for k in ("load_s", "compiled_programs", "preemptions") if k in res}})
+    ours = {r["system"].split("(")[1].rstrip(")"): r for r in rows if r["system"].startswith("jaxpaged")}
+    for r in rows:
+        if r["system"].startswith("vllm"):
+            dtype = r["system"].split("(")[1].rstrip(")")
+            r["ratio_jaxpaged_over_peer"] = ours[dtype]["output_tok_per_s"] / r["output_tok_per_s"]
+            print(f"ratio jaxpaged / {r['system']} (useful output tok/s, {dtype}): {r['ratio_jaxpaged_over_peer']:.2f}x")
     if "hf" in args.peer:
         peer_reqs = reqs[:args.peer_n]
         hf = run_hf(peer_reqs, [int(b) for b in args.hf_batch_sizes.split(",")], args.model)
-        print(header)
+        print(HEADER)
         hf_row = report(hf["system"], peer_reqs, hf["seconds"][0])
         rows.append(hf_row)
-        ours = max(r["output_tok_per_s"] for r in rows if r["system"].startswith("jaxpaged"))
-        print(f"ratio jaxpaged / HF (useful output tok/s): {ours / hf_row['output_tok_per_s']:.1f}x")
-    if "vllm" in args.peer:
-        rows += run_vllm(reqs, args, rows)
+        for dtype, row in ours.items():
+            row["ratio_over_hf_float32"] = row["output_tok_per_s"] / hf_row["output_tok_per_s"]
+            print(f"ratio {row['system']} / HF float32 static batching (useful output tok/s): "
+                  f"{row['ratio_over_hf_float32']:.1f}x")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows,
-                                                         "compiled_programs": res["compiled_programs"]}, indent=1))
+    (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

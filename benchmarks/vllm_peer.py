@@ -31,7 +31,7 @@ MODELS = HERE / ".models"          # converted checkpoints (git-ignored)
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0+cpu"
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "TOKENIZERS_PARALLELISM": "false"}
 
 _CONVERT = r"""
 import sys, torch, transformers
@@ -57,7 +57,8 @@ from vllm.inputs import TokensPrompt
 cfg = json.load(open(sys.argv[1]))
 t0 = time.perf_counter()
 llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
-          max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"])
+          max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
+          enable_prefix_caching=cfg["enable_prefix_caching"])
 load_s = time.perf_counter() - t0
 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompts"]]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in cfg["output_lens"]]
@@ -120,16 +121,19 @@ def convert(model: str) -> Path:
 
 
 def run(reqs: list[WorkloadRequest], model: str, dtype: str, rounds: int, max_num_seqs: int,
-        max_num_batched_tokens: int, max_model_len: int = 512) -> dict:
-    """Time ``vllm.LLM.generate`` over ``reqs`` (after setup and conversion) in the venv."""
+        max_num_batched_tokens: int, kv_cache_gib: int, enable_prefix_caching: bool,
+        max_model_len: int = 512) -> dict:
+    """Time ``vllm.LLM.generate`` over ``reqs`` (after setup and conversion) in the venv, with
+    ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
     cfg = {"model": str(convert(model)), "dtype": dtype, "max_model_len": max_model_len, "rounds": rounds,
            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+           "enable_prefix_caching": enable_prefix_caching,
            "prompts": [r.prompt_token_ids for r in reqs], "output_lens": [r.output_len for r in reqs]}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
-        proc = subprocess.run([str(venv_python()), "-c", _WORKER, f.name], env={**os.environ, **ENV},
-                              capture_output=True, text=True)
+        proc = subprocess.run([str(venv_python()), "-c", _WORKER, f.name], capture_output=True, text=True,
+                              env={**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
