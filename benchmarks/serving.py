@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="workload requests (outputs capped at 32 tokens) sent before measuring, to compile "
                          "the step programs: all at once, then one alone (0 = no warm-up)")
     ap.add_argument("--startup-timeout", type=float, default=600)
-    ap.add_argument("--compilation-cache-dir", default=str(ROOT / ".jax_cache"),
-                    help="persistent JAX compilation cache of the started server ('' = none)")
+    ap.add_argument("--cache-dir", default=str(ROOT / ".jax_cache"),
+                    help="the started server's cache directory (compiled programs, tokenizers; '' = none)")
     ap.add_argument("serve_args", nargs="*", help="extra `jaxpaged serve` flags, after `--`")
     args = ap.parse_args(argv)
 
@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc = None
     if args.url is None:
         extra = ["--max-model-len", str(args.max_model_len), *args.serve_args]
-        if args.compilation_cache_dir:
-            extra += ["--compilation-cache-dir", args.compilation_cache_dir]
+        extra += ["--cache-dir", args.cache_dir]
         if args.served_model_name:
             extra += ["--served-model-name", args.served_model_name]
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "jaxpaged-serving-bench.log"

@@ -14,7 +14,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas", "pallas_interpret")
 MATMUL_BACKENDS = ("auto", "cpu", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
-DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged", "xla")
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged")
 
 
 def _arg(default, help: str):
@@ -55,8 +55,9 @@ class EngineArgs:
     data_parallel_size: int = _arg(1, "Engine replicas behind one front end, each on its own "
                                    "tensor_parallel_size devices (needs data x tensor parallel devices).")
     seed: int = _arg(0, "Seed for requests that do not give their own.")
-    compilation_cache_dir: str | None = _arg(DEFAULT_COMPILATION_CACHE, "Persistent JAX compilation cache "
-                                             "directory (compiled step programs survive restarts); '' disables it.")
+    cache_dir: str | None = _arg(DEFAULT_CACHE_DIR, "Directory of the caches kept across runs: xla/ (JAX's "
+                                 "persistent compilation cache: compiled step programs) and tokenizers/ (tokenizers "
+                                 "built from GGUF files); '' disables them.")
     precompile: bool = _arg(True, "Compile every step program of the bucket set at start-up (seconds with a warm "
                             "compilation cache), so no request waits for a compile.")
     async_scheduling: bool = _arg(True, "Schedule and launch step k+1 before taking in step k's tokens, so host "
@@ -110,7 +111,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     attention_backend: str
     matmul_backend: str
-    compilation_cache_dir: str | None
+    cache_dir: str | None
     precompile: bool
     parallel: ParallelConfig = ParallelConfig()
     async_scheduling: bool = True
@@ -152,7 +153,7 @@ class EngineConfig:
                                       a.preemption_mode),
             attention_backend=a.attention_backend,
             matmul_backend=a.matmul_backend,
-            compilation_cache_dir=a.compilation_cache_dir,
+            cache_dir=a.cache_dir,
             precompile=a.precompile,
             parallel=ParallelConfig(a.tensor_parallel_size, a.data_parallel_size),
             async_scheduling=a.async_scheduling,

@@ -22,6 +22,7 @@ beams, forking the sequences that continue more than once and freeing those that
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -148,13 +149,14 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
         matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size)
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        if config.cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "xla"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         t0 = time.perf_counter()
         dtype = jnp.dtype(mc.dtype)
         ckpt = load_checkpoint(mc.model, dtype=dtype)
-        self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path)
+        self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path,
+                                        cache_dir=config.cache_dir and os.path.join(config.cache_dir, "tokenizers"))
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
                             params=ckpt.params, matmul_backend=matmul)
         del ckpt

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import pathlib
+import shutil
 from collections.abc import Sequence
 
 import transformers
@@ -13,6 +17,34 @@ from jaxpaged.weights.resolve import DEFAULT_MODEL_ALIAS, resolve_model_path
 # decoders whose output depends on the previous token (sentencepiece's leading "▁").
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+
+logger = logging.getLogger(__name__)
+
+
+def _gguf_tokenizer(path: pathlib.Path, cache_dir: str | None) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer embedded in a GGUF. transformers builds it from the file's vocabulary in
+    seconds; with ``cache_dir`` a copy saved there (keyed by the file's path, size and modification
+    time) loads in a fraction of that on later starts."""
+    if not cache_dir:
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = pathlib.Path(cache_dir) / f"{path.stem}-{key}"
+    if cached.is_dir():
+        try:
+            return transformers.AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # noqa: BLE001 -- whatever is wrong with a cached copy, it is rebuilt below
+            logger.warning("ignoring the cached tokenizer %s (%s); rebuilding it from %s", cached, e, path)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(partial)
+        partial.rename(cached)                      # complete or absent: never half written
+    except OSError as e:                            # read-only cache, or another process won the race
+        logger.debug("tokenizer not cached at %s: %s", cached, e)
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 class Tokenizer:
@@ -29,11 +61,12 @@ class Tokenizer:
         self._backend = hf.backend_tokenizer if getattr(hf, "is_fast", False) else None
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> Tokenizer:
-        """From an HF tokenizer directory, a .gguf file (its embedded tokenizer) or the model alias."""
+    def load(cls, path: str | pathlib.Path, cache_dir: str | None = None) -> Tokenizer:
+        """From an HF tokenizer directory, a .gguf file (its embedded tokenizer, cached as an HF
+        tokenizer under ``cache_dir`` if given) or the model alias."""
         path = resolve_model_path(DEFAULT_MODEL_ALIAS) if str(path) == DEFAULT_MODEL_ALIAS else pathlib.Path(path)
         if path.is_file() and path.suffix == ".gguf":
-            return cls(transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+            return cls(_gguf_tokenizer(path, cache_dir))
         if path.is_dir():
             return cls(transformers.AutoTokenizer.from_pretrained(path))
         raise FileNotFoundError(

@@ -56,24 +56,23 @@ def _checked_dtype(dtype) -> np.dtype:
 
 
 def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
-    """``w[K, N]`` (host array) -> the packed ``[ceil(N/32), K, 32]`` weight in ``dtype`` (see the module doc)."""
+    """``w[K, N]`` (host array) -> the packed ``[ceil(N/32), K, 32]`` weight in ``dtype`` (see the module doc).
+    One pass over the weight (cast and reorder together); it runs once per weight at load."""
     dtype = _checked_dtype(dtype)
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"pack_weight expects a 2-D weight [K, N], got shape {w.shape}")
     k, n = w.shape
     panels = -(-n // PANEL)
-    padded = np.zeros((k, panels * PANEL), dtype)
-    padded[:, :n] = w.astype(dtype)  # to bfloat16: round to nearest even
-    by_panel = padded.reshape(k, panels, PANEL).transpose(1, 0, 2)  # [P, K, 32]
-    if dtype == jnp.dtype(jnp.float32):
-        return np.ascontiguousarray(by_panel)
-    pairs = k // 2
-    # [P, pairs, 2 (row in pair), 32 (column)] -> [P, pairs, 32, 2]: each column's two rows adjacent.
-    interleaved = by_panel[:, :2 * pairs].reshape(panels, pairs, 2, PANEL).transpose(0, 1, 3, 2)
+    if n % PANEL:
+        w = np.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    by_panel = w.reshape(k, panels, PANEL).transpose(1, 0, 2)  # [P, K, 32], a view
     out = np.empty((panels, k, PANEL), dtype)
-    out[:, :2 * pairs] = interleaved.reshape(panels, 2 * pairs, PANEL)
-    out[:, 2 * pairs:] = by_panel[:, 2 * pairs:]  # odd K: the last row as it is
+    pairs = k // 2 if dtype == jnp.dtype(jnp.bfloat16) else 0
+    # bfloat16: [P, pairs, 2 (row in pair), 32 (column)] -> [P, pairs, 32, 2]: each column's two rows adjacent.
+    out[:, :2 * pairs].reshape(panels, pairs, PANEL, 2)[...] = (
+        by_panel[:, :2 * pairs].reshape(panels, pairs, 2, PANEL).transpose(0, 1, 3, 2))
+    out[:, 2 * pairs:] = by_panel[:, 2 * pairs:]  # float32 whole; bfloat16's odd last row as it is
     return out
 
 

@@ -16,7 +16,7 @@ from jaxpaged.async_engine import AsyncLLMEngine
 from tiny_models import random_prompts
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-ENGINE_ARGS = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=8, compilation_cache_dir="")
+ENGINE_ARGS = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=8, cache_dir="")
 
 
 @contextlib.contextmanager

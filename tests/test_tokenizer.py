@@ -7,6 +7,7 @@ import random
 
 import gguf
 import pytest
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +86,36 @@ def test_gguf_chat_template(smollm2_tokenizer):
     assert ids.count(1) == 3 and ids.count(2) == 2  # role markers are single special tokens
     without = tok.apply_chat_template(messages, add_generation_prompt=False)
     assert ids[:len(without)] == without and len(without) < len(ids)
+
+
+def test_gguf_tokenizer_cached_copy_is_the_same_tokenizer(smollm2_gguf, smollm2_tokenizer, tmp_path, monkeypatch):
+    """With a cache directory the GGUF's tokenizer is saved once as an HF tokenizer and later loaded
+    from there (not rebuilt from the GGUF); it encodes, decodes and templates exactly as the GGUF's.
+    A damaged copy is rebuilt."""
+    built = Tokenizer.load(smollm2_gguf, cache_dir=str(tmp_path))
+    (entry,) = tmp_path.iterdir()
+    loads = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **kw: loads.append(kw) or original(*a, **kw))
+    cached = Tokenizer.load(smollm2_gguf, cache_dir=str(tmp_path))
+    assert loads and all("gguf_file" not in kw for kw in loads)
+    texts = ["Hello world! héllo 你好 🙂", "  two  spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>", ""]
+    messages = [{"role": "user", "content": "Write a haiku."}]
+    ids = random.Random(0).choices(range(49152), k=300) + [0, 1, 2]
+    for tok in (built, cached):
+        assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, 49152)
+        assert tok.all_special_ids == smollm2_tokenizer.all_special_ids
+        assert [tok.encode(t) for t in texts] == [smollm2_tokenizer.encode(t) for t in texts]
+        assert tok.apply_chat_template(messages) == smollm2_tokenizer.apply_chat_template(messages)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
+    (entry / "tokenizer.json").write_text("{")
+    loads.clear()
+    rebuilt = Tokenizer.load(smollm2_gguf, cache_dir=str(tmp_path))
+    assert any("gguf_file" in kw for kw in loads)
+    assert rebuilt.encode(texts[0]) == smollm2_tokenizer.encode(texts[0])
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]      # no partial copies left behind
 
 
 def test_load_rejects_missing_path(tmp_path):

@@ -1,21 +1,25 @@
 """Loading a llama.cpp GGUF file into HF names and layout, dequantized to float32.
 
 The model code then needs only HF names. Three things differ from an HF checkpoint and are
-undone here: llama.cpp's tensor names, its reversed dimension order (handled by GGUFReader,
-whose arrays are already [out, in]) and the per-head row permutation convert_hf_to_gguf.py
-applies to q/k so that llama.cpp can rotate adjacent pairs instead of HF's halves.
+undone here: llama.cpp's tensor names, its reversed dimension order (handled by ``GGUFFile``,
+whose shapes are already [out, in]) and the per-head row permutation convert_hf_to_gguf.py
+applies to q/k so that llama.cpp can rotate adjacent pairs instead of HF's halves. Tensors are
+dequantized (gguf-py's routines) on a thread per core: numpy releases the GIL.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import gguf
 import numpy as np
 import transformers
 
+from jaxpaged.weights.gguf_file import GGUFFile, GGUFTensor
 from jaxpaged.weights.resolve import Checkpoint
 
 Q = gguf.GGMLQuantizationType
@@ -68,18 +72,17 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 class _Metadata:
     """Typed access to GGUF key/values, with `{arch}` in gguf.Keys templates filled in."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: pathlib.Path) -> None:
-        self._reader, self._path, self.arch = reader, path, ""
+    def __init__(self, file: GGUFFile) -> None:
+        self._fields, self._path, self.arch = file.fields, file.path, ""
         self.arch = self.get(gguf.Keys.General.ARCHITECTURE)
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         key = key.format(arch=self.arch)
-        field = self._reader.get_field(key)
-        if field is None:
+        if key not in self._fields:
             if default is _MISSING:
                 raise ValueError(f"{self._path}: GGUF metadata {key!r} is missing.")
             return default
-        return field.contents()
+        return self._fields[key]
 
     def get_int(self, key: str, default: Any = _MISSING) -> int | None:
         value = self.get(key, default)
@@ -154,20 +157,18 @@ def _expected_shapes(config: transformers.LlamaConfig) -> dict[str, tuple[int, .
     return shapes
 
 
-def _check_tensors(
-    path: pathlib.Path, reader: gguf.GGUFReader, config: transformers.LlamaConfig
-) -> None:
+def _check_tensors(path: pathlib.Path, tensors: list[GGUFTensor], config: transformers.LlamaConfig) -> None:
     """Fail before dequantizing anything: unknown names, unsupported types, wrong or missing shapes."""
     expected = _expected_shapes(config)
     found = set()
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_name(tensor.name)
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}; supported types "
                 f"are {', '.join(t.name for t in SUPPORTED_TYPES)}."
             )
-        shape = tuple(int(d) for d in reversed(tensor.shape))
+        shape = tensor.shape
         if expected.get(name) != shape:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} has shape {shape}, but the metadata implies "
@@ -181,30 +182,33 @@ def _check_tensors(
 
 def load_gguf(path: pathlib.Path) -> Checkpoint:
     """Read config and every tensor (dequantized to float32, HF names and layout) from a GGUF."""
-    reader = gguf.GGUFReader(path)
-    meta = _Metadata(reader, path)
+    file = GGUFFile(path)
+    meta = _Metadata(file)
     if meta.arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {meta.arch!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in by_name:
         raise ValueError(f"{path}: the GGUF has no token_embd.weight tensor.")
     config = _llama_config(
         meta,
-        vocab_rows=int(by_name["token_embd.weight"].shape[-1]),
+        vocab_rows=int(by_name["token_embd.weight"].shape[0]),
         tied="output.weight" not in by_name,
     )
-    _check_tensors(path, reader, config)
+    _check_tensors(path, file.tensors, config)
 
-    tensors = {}
-    for tensor in reader.tensors:
+    def dequantize(tensor: GGUFTensor) -> np.ndarray:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if np.may_share_memory(array, tensor.data):  # F32 comes back as a view of the memory map
             array = array.copy()
         if tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             array = unpermute_rope_rows(array, heads)
-        tensors[hf_name(tensor.name)] = array.astype(np.float32, copy=False)
+        return array.astype(np.float32, copy=False)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        arrays = list(pool.map(dequantize, file.tensors))
+    tensors = {hf_name(t.name): a for t, a in zip(file.tensors, arrays)}
     return Checkpoint(config=config, tensors=tensors, path=path, format="gguf")

@@ -34,7 +34,7 @@ import transformers
 from flax import traverse_util
 
 from jaxpaged.weights.resolve import MODEL_CARD, ORBAX_PARAMS_DIR, Checkpoint
-from models.decoder import init_params
+from models.decoder import param_shapes
 from models.registry import build_model, config_from_hf, supported_architectures
 
 FORMAT = "jaxpaged-orbax"
@@ -97,7 +97,7 @@ def _card_config(card: dict, where: pathlib.Path) -> transformers.PretrainedConf
 def expected_params(hf_config: Any, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
     """Every param the model of ``hf_config`` has, flat, as shapes and dtypes (traced, nothing computed)."""
     cfg = config_from_hf(hf_config)[1]
-    return _flat(jax.eval_shape(lambda: init_params(cfg, dtype)))
+    return _flat(param_shapes(cfg, dtype))
 
 
 def _card_params(card: dict) -> dict[str, tuple[tuple[int, ...], str]]:
