@@ -452,13 +452,14 @@ class LLMEngine:
                 continue
             if not req.output_token_ids:
                 req.first_token_time = now
-            token, logprob = tokens[i], logprobs[i]
+            token = tokens[i]
             req.output_token_ids.append(token)
-            req.output_logprobs.append(logprob)
+            if req.sampling_params.needs_logprobs:
+                req.output_logprobs.append(logprobs[i])
             if req.output_top_logprobs is not None:
                 k = req.sampling_params.logprobs
                 req.output_top_logprobs.append(self._token_logprobs(
-                    token, logprob, int(sampled.ranks[i]), sampled.top_ids[i, :k], sampled.top_logprobs[i, :k]))
+                    token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :k], sampled.top_logprobs[i, :k]))
             status = self._check_stop(req)
             if status is not None:
                 req.finished_time = now
@@ -566,7 +567,7 @@ class LLMEngine:
             token_ids, top = list(req.output_token_ids), None if top is None else list(top)
         return CompletionOutput(
             index=req.sample_index, text=text, token_ids=token_ids,
-            cumulative_logprob=float(sum(req.output_logprobs)), logprobs=top,
+            cumulative_logprob=float(sum(req.output_logprobs)) if sp.needs_logprobs else None, logprobs=top,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             delta_text=delta_text, delta_token_ids=delta_ids)
 

@@ -203,6 +203,8 @@ class SequenceSlots:
         self.seed = np.zeros(capacity, np.uint64)
         self.logprobs = np.full(capacity, -1, np.int32)
         """Top logprobs the sequence asks for per token (-1: none)."""
+        self.chosen_logprobs = np.zeros(capacity, bool)
+        """Its sampled tokens' logprobs are computed (``SamplingParams.needs_logprobs``)."""
         self.needs_host_lists = np.zeros(capacity, bool)
         """Penalties, logit bias or min_tokens: per-step lists built from the request itself."""
         self.last_sample_row = np.full(capacity, -1, np.int32)
@@ -236,6 +238,7 @@ class SequenceSlots:
             sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
         self.seed[s] = r.seed & _SEED_MASK
         self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
+        self.chosen_logprobs[s] = sp.needs_logprobs
         self.needs_host_lists[s] = sp.needs_penalties or bool(sp.logit_bias) or sp.min_tokens > 0
         self.last_sample_row[s] = -1
         self.write_table(s, r.block_ids)
@@ -493,6 +496,7 @@ class ModelRunner:
         flags = SamplerFlags(
             all_greedy=not sampled.any(), penalties=bool(pen_rows), bias=bool(bias_rows),
             top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
+            chosen_logprobs=bool(st.chosen_logprobs[slots].any()),
             num_logprobs=-1 if width < 0 else _logprobs_width(width))
         return sampling, flags
 

@@ -71,7 +71,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    """The chosen tokens' logprobs, always kept: ``best_of`` ranks samples by their sum."""
+    """The chosen tokens' logprobs, when ``sampling_params.needs_logprobs`` (``best_of`` ranks samples by their sum)."""
     output_top_logprobs: list[TokenLogprobs] | None = None
     """Per generated token, when ``sampling_params.logprobs`` is set."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None

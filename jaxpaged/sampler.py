@@ -44,8 +44,10 @@ class SamplerFlags:
     penalties: bool = False
     bias: bool = False
     top_k_top_p: bool = False
+    chosen_logprobs: bool = False
+    """Some row wants its sampled token's logprob (a full-vocabulary logsumexp per row)."""
     num_logprobs: int = -1
-    """-1: no row wants logprobs; else how many top logprobs to compute per row."""
+    """-1: no row wants top logprobs; else how many to compute per row (implies ``chosen_logprobs``)."""
 
 
 @jax.tree_util.register_dataclass
@@ -82,7 +84,7 @@ class SamplerOutput:
     """Sampled tokens with their raw logprobs; with ``num_logprobs`` = N >= 0, ranks and top N."""
 
     tokens: jax.Array        # [R] int32
-    logprobs: jax.Array      # [R] f32: log_softmax(raw logits)[token]
+    logprobs: jax.Array      # [R] f32: log_softmax(raw logits)[token], or [0] when no row wants them
     ranks: jax.Array         # [R] int32 (1 = most likely), or [0] without logprobs
     top_ids: jax.Array       # [R, N] int32
     top_logprobs: jax.Array  # [R, N] f32
@@ -349,16 +351,18 @@ def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) 
 def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
     """One token per row of ``logits[R, V]`` (float32)."""
     raw = logits
-    lse = _logsumexp(raw)
     x = process_logits(raw, st, flags)
     tokens = _argmax(x)
     if not flags.all_greedy:
         tokens = jnp.where(st.temperature > 0, _draw(x, st, flags.top_k_top_p), tokens)
-    logprobs = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0] - lse
     R = raw.shape[0]
+    no_top = (jnp.zeros(0, jnp.int32), jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32))
+    if not flags.chosen_logprobs and flags.num_logprobs < 0:
+        return SamplerOutput(tokens, jnp.zeros(0, jnp.float32), *no_top)
+    lse = _logsumexp(raw)
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0] - lse
     if flags.num_logprobs < 0:
-        return SamplerOutput(tokens, logprobs, jnp.zeros(0, jnp.int32), jnp.zeros((R, 0), jnp.int32),
-                             jnp.zeros((R, 0), jnp.float32))
+        return SamplerOutput(tokens, logprobs, *no_top)
     ranks, top_ids, top_lps = _top_logprobs(raw, lse, tokens, flags.num_logprobs)
     return SamplerOutput(tokens, logprobs, ranks, top_ids, top_lps)
 

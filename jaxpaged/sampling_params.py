@@ -163,5 +163,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_logprobs(self) -> bool:
+        """Whether each sampled token's logprob is computed (and ``cumulative_logprob`` reported, as
+        vLLM does): asked for, or needed to rank ``best_of`` samples."""
+        return self.logprobs is not None or self.best_of > self.n
+
+    @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

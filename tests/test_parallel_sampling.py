@@ -55,7 +55,7 @@ def test_n4_shares_the_prompt_and_equals_separate_seeded_requests(llm):
         return out
     eng.scheduler.schedule = spy
     try:
-        eng.add_request("p", PROMPT, SamplingParams(n=4, **BASE))
+        eng.add_request("p", PROMPT, SamplingParams(n=4, logprobs=0, **BASE))
         outs = {}
         while eng.has_unfinished_requests():
             outs.update({o.request_id: o for o in eng.step() if o.finished})
@@ -73,7 +73,7 @@ def test_n4_shares_the_prompt_and_equals_separate_seeded_requests(llm):
     assert saved[0] == pytest.approx((4 * 3 - 3) / (4 * 3))
     assert max(saved[1:]) > 0.3
     assert_pool_empty(eng)
-    ref = separate(llm, PROMPT, 4)
+    ref = separate(llm, PROMPT, 4, logprobs=0)
     assert [c.token_ids for c in many] == [c.token_ids for c in ref]
     np.testing.assert_allclose([c.cumulative_logprob for c in many], [c.cumulative_logprob for c in ref], atol=1e-4)
     assert len({tuple(c.token_ids) for c in many}) > 1
@@ -81,7 +81,8 @@ def test_n4_shares_the_prompt_and_equals_separate_seeded_requests(llm):
 
 def test_best_of_returns_the_n_best_by_cumulative_logprob(llm):
     best = llm.generate([PROMPT], SamplingParams(n=2, best_of=5, **BASE), use_tqdm=False)[0]
-    ref = sorted(enumerate(separate(llm, PROMPT, 5)), key=lambda ic: ic[1].cumulative_logprob, reverse=True)[:2]
+    ref = sorted(enumerate(separate(llm, PROMPT, 5, logprobs=0)), key=lambda ic: ic[1].cumulative_logprob,
+                 reverse=True)[:2]
     assert [(c.index, c.token_ids) for c in best.outputs] == [(i, c.token_ids) for i, c in ref]
     assert_pool_empty(llm.engine)
 

@@ -107,7 +107,7 @@ def test_seeded_request_is_batch_invariant(tiny, llm):
 def test_n_and_best_of(tiny, llm):
     base = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
     one = run(llm, [PROMPTS[0]], SamplingParams(**base))[0]
-    many = run(llm, [PROMPTS[0]], SamplingParams(n=4, prompt_logprobs=1, **base))[0]
+    many = run(llm, [PROMPTS[0]], SamplingParams(n=4, prompt_logprobs=1, logprobs=0, **base))[0]
     assert [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert many.outputs[0].token_ids == one.outputs[0].token_ids      # sample 0 keeps the request's seed
     assert len({tuple(c.token_ids) for c in many.outputs}) > 1
@@ -268,3 +268,17 @@ def test_engine_rejects_out_of_vocab_ids_and_keeps_serving(tiny, llm):
     assert not llm.engine.has_unfinished_requests()
     out = run(llm, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny[1], PROMPTS[1], 6)[0]
+
+
+def test_cumulative_logprob_only_when_logprobs_are_tracked(llm):
+    """As in vLLM: a request that asks for no logprobs gets no cumulative logprob (its sampler step
+    skips the full-vocabulary logsumexp); asking for them (or best_of > n) reports it, the same in
+    any batch."""
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain, with_lp, ranked = run(llm, [PROMPTS[0]] * 3, [SamplingParams(**base), SamplingParams(logprobs=0, **base),
+                                                        SamplingParams(n=1, best_of=2, **base)])
+    assert plain.outputs[0].cumulative_logprob is None
+    lp = with_lp.outputs[0]
+    assert lp.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(lp.logprobs, lp.token_ids)))
+    assert ranked.outputs[0].cumulative_logprob is not None
+    assert plain.outputs[0].token_ids == lp.token_ids

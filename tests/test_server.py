@@ -410,8 +410,8 @@ def test_disconnected_non_streamed_request_is_aborted(url):
     aborted = 'jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}'
     before = metrics(url).get(aborted, 0.0)
     body = {"model": MODEL, "prompt": "Long one", "max_tokens": 240, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    with pytest.raises(httpx.ReadTimeout):       # 240 engine steps take longer than 50 ms
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
     wait_until_idle(url)
     assert metrics(url)[aborted] == before + 1
 
