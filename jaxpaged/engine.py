@@ -452,19 +452,19 @@ class LLMEngine:
                 continue
             if not req.output_token_ids:
                 req.first_token_time = now
-            token = tokens[i]
+            token, sp = tokens[i], req.sampling_params
             req.output_token_ids.append(token)
-            if req.sampling_params.needs_logprobs:
+            if logprobs and sp.needs_logprobs:
                 req.output_logprobs.append(logprobs[i])
             if req.output_top_logprobs is not None:
-                k = req.sampling_params.logprobs
                 req.output_top_logprobs.append(self._token_logprobs(
-                    token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :k], sampled.top_logprobs[i, :k]))
+                    token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
+                    sampled.top_logprobs[i, :sp.logprobs]))
             status = self._check_stop(req)
             if status is not None:
                 req.finished_time = now
                 self.scheduler.finish_request(req, status)
-            elif req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+            elif sp.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
             parent = self._groups[req.request_id]
             touched[parent.request_id] = parent
@@ -539,8 +539,8 @@ class LLMEngine:
             if not sp.include_stop_str_in_output:
                 req.output_text_end = before        # the stop token's own text is not output
             return RequestStatus.FINISHED_STOPPED
-        hits = [(at, stop) for stop in sp.stop
-                if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        hits = sp.stop and [(at, stop) for stop in sp.stop
+                            if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
         if hits:
             at, stop = min(hits, key=lambda h: h[0])
             req.stop_reason = stop

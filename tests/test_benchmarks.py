@@ -82,8 +82,9 @@ def test_memory_counts_a_shared_block_once(tiny):
 
 def test_overhead_phases_partition_the_step(tiny):
     engine = _engine(tiny[0])
-    timings = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
-                               output_kind=RequestOutputKind.CUMULATIVE)
+    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
+                                            output_kind=RequestOutputKind.CUMULATIVE)
+    assert len(device_only) == 3 and min(device_only) > 0
     assert len(timings) == 3
     for t in timings:
         assert (t.num_requests, t.num_tokens) == (4, 4)
@@ -91,8 +92,9 @@ def test_overhead_phases_partition_the_step(tiny):
         assert min(phases) >= 0
         assert t.host <= t.step
         assert sum(phases) == pytest.approx(t.step)
-    row = overhead.summarize(timings)
-    assert set(row) == {*overhead.PHASES, "host", "step"} and row["host"] <= row["step"] + 1e-9
+    row = overhead.summarize(timings, device_only)
+    assert set(row) == {*overhead.PHASES, "host", "step", "device_only", "exposed"}
+    assert row["host"] <= row["step"] + 1e-9 and row["exposed"] == pytest.approx(row["step"] - row["device_only"])
     # The wrappers are gone and the requests aborted.
     assert "schedule" not in vars(engine.scheduler) and "launch" not in vars(engine.runner)
     assert not engine.has_unfinished_requests()
