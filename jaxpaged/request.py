@@ -145,7 +145,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISH_REASONS
 
 
 @dataclass

@@ -203,14 +203,15 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = min(request.num_tokens_with_placeholders - computed, budget, max_len - computed)
+            known = request.num_tokens_with_placeholders
+            num_new = min(known - computed, budget, max_len - computed)
             # Nothing known to compute until the engine appends a token, or its last token is in flight.
             if num_new <= 0 or len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
                 i += 1
                 continue
             if not kv.allocate_slots(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
-            self._add_to_output(out, request, num_new, forked)
+            self._add_to_output(out, request, num_new, forked, known)
             budget -= num_new
             i += 1
 
@@ -256,7 +257,7 @@ class Scheduler:
             del self.waiting[j]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_output(out, request, num_new, forked)
+            self._add_to_output(out, request, num_new, forked, request.num_tokens_with_placeholders)
             reserved += request.reserved_seqs          # what is left after forking this step
             budget -= num_new
         self.running.extend(forked)
@@ -310,13 +311,14 @@ class Scheduler:
         out.preempted.append(request)
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
-                       forked: list[Request]) -> None:
+                       forked: list[Request], known: int) -> None:
+        """Schedule ``num_new`` tokens of ``request``, which has ``known`` tokens (placeholders included)."""
         row = len(out.requests)
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.start_positions.append(request.num_computed_tokens)
         request.num_computed_tokens += num_new
-        samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+        samples = request.num_computed_tokens >= known
         out.samples.append(samples)
         if samples:
             request.num_output_placeholders += 1
