@@ -28,6 +28,7 @@ import numpy as np
 from benchmarks import memory_sharing
 from benchmarks.common import new_figure, print_table, resolve_model_arg, save_figure, write_json
 from benchmarks.workload import WorkloadRequest, synthetic
+from jaxpaged.config import EngineArgs
 
 SYSTEMS = ("jaxpaged", "static_max", "static_oracle")
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="model, or 'tiny' (a random 2-layer model: the slot counts do not depend on the model)")
     ap.add_argument("--n", type=int, default=64, help="requests in the trace")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=512)

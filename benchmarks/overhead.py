@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from benchmarks.common import (UNDER_LOAD, new_figure, print_table, save_figure, tiny_model_dir, write_json)
+from jaxpaged.config import EngineArgs
 
 PHASES = ("schedule", "prepare", "dispatch", "output", "wait")
 TARGET_MS = 0.5
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (compilation)")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--kv-cache-memory", type=int, default=64 * 2**20)

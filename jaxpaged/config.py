@@ -31,7 +31,8 @@ class EngineArgs:
     dtype: str = _arg("float32", f"Weight and activation dtype, one of {DTYPES}.")
     max_model_len: int | None = _arg(None, "Longest sequence (prompt + output) in tokens; default: the "
                                      "model's max_position_embeddings, capped to what the KV cache holds.")
-    block_size: int = _arg(16, "Tokens per KV-cache block; a power of two from 1 to 128.")
+    block_size: int = _arg(8, "Tokens per KV-cache block; a power of two from 1 to 128. 8 (vLLM: 16) wastes half as "
+                           "many slots in each sequence's last block, at no measured cost in speed on CPU.")
     kv_cache_memory: int = _arg(256 * 2**20, "Bytes of device memory for the KV-cache page pool.")
     num_gpu_blocks_override: int | None = _arg(None, "Use exactly this many KV blocks "
                                                "(ignores kv_cache_memory).")

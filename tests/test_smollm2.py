@@ -31,8 +31,8 @@ def reference(hf_smollm2_model, prompts):
 
 @pytest.mark.parametrize("engine_args", [
     {},
-    # Chunked prompts and a pool of 8 usable blocks: four sequences of ~60 tokens must preempt.
-    dict(max_num_batched_tokens=32, num_gpu_blocks_override=9),
+    # Chunked prompts and a pool of 8 usable blocks of 16: four sequences of ~60 tokens must preempt.
+    dict(max_num_batched_tokens=32, block_size=16, num_gpu_blocks_override=9),
 ], ids=["default", "chunked_preempting"])
 def test_greedy_matches_transformers(engine_args, prompts, reference):
     llm = LLM(**engine_args)
