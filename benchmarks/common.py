@@ -57,12 +57,12 @@ def percentiles(values: Sequence[float], ps: Sequence[float] = (50, 90, 99)) -> 
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence], widths: Sequence[int] | None = None) -> None:
-    """Right-aligned columns; floats with 3 significant decimals."""
+    """Right-aligned columns, one space apart even when a value overflows its width; floats with 3 decimals."""
     widths = widths or [max(10, len(h) + 2) for h in header]
     cell = (lambda v, w: f"{v:>{w}.3f}" if isinstance(v, float) else f"{v!s:>{w}}")
-    print("".join(f"{h:>{w}}" for h, w in zip(header, widths)))
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
     for row in rows:
-        print("".join(cell(v, w) for v, w in zip(row, widths)))
+        print(" ".join(cell(v, w) for v, w in zip(row, widths)))
 
 
 def tiny_model_dir(vocab_size: int = 384, path: Path | None = None) -> Path:

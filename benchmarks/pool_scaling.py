@@ -15,6 +15,7 @@ import time
 
 import jax.numpy as jnp
 
+from jaxpaged.config import EngineArgs
 from jaxpaged.model_runner import ModelRunner
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
@@ -55,19 +56,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--base-blocks", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
+    ap.add_argument("--base-blocks", type=int, default=None,
+                    help="blocks of the 1x pool (default: twice what the batch holds)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (A, B, A, B, ...)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--matmul-backend", default="auto")
     args = ap.parse_args()
 
-    model = smollm2_model(attention_backend=args.attention_backend, matmul_backend=args.matmul_backend)
-    sizes = {"1x": args.base_blocks, "4x": 4 * args.base_blocks}
     needed = args.batch * -(-args.context // args.block_size) + 1
-    if needed > args.base_blocks:
+    base_blocks = args.base_blocks or 2 * needed
+    if needed > base_blocks:
         raise SystemExit(f"--base-blocks must be at least {needed} for this batch and context")
+    model = smollm2_model(attention_backend=args.attention_backend, matmul_backend=args.matmul_backend)
+    sizes = {"1x": base_blocks, "4x": 4 * base_blocks}
     out = decode_batch(args.batch, args.context, args.block_size)
     runners = {k: ModelRunner(model, num_blocks=n, block_size=args.block_size, dtype=jnp.float32,
                               max_num_batched_tokens=512, max_num_seqs=256, max_model_len=8192)

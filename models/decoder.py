@@ -150,12 +150,14 @@ class Embed(nn.Module):
 class Linear(nn.Module):
     """A dense layer ``x @ kernel (+ bias)``. With the ``cpu`` matmul backend its kernel is the
     native CPU matmul's packed weight (``pack_for_matmul_backend`` packs a ``[in, out]`` kernel once,
-    at load); otherwise the ``[in, out]`` kernel goes through XLA's dot."""
+    at load); otherwise the ``[in, out]`` kernel goes through XLA's dot. ``out_dtype`` (default
+    ``dtype``) float32 keeps a bfloat16 layer's float32 accumulation (the LM head's logits)."""
 
     features: int
     use_bias: bool
     dtype: Any
     backend: str = "xla"
+    out_dtype: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -163,12 +165,13 @@ class Linear(nn.Module):
         if self.backend == "cpu":
             shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
             kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
-            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features).reshape(*x.shape[:-1], self.features)
+            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype)
+            y = y.reshape(*x.shape[:-1], self.features)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features), self.dtype)
-            y = jnp.dot(x, kernel)
+            y = jnp.dot(x, kernel, preferred_element_type=self.out_dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(y.dtype)
         return y
 
 
@@ -277,7 +280,7 @@ class DecoderForCausalLM(nn.Module):
             h = dense(c.embed_dim, name="project_out")(h)
         # The native matmul needs its own packed copy of a tied head (the embedding, transposed).
         tied = c.tie_word_embeddings and self.matmul_backend != "cpu"
-        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head")(h)
+        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h)
         return logits.astype(jnp.float32), kv_pages
 
 

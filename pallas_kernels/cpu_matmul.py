@@ -76,11 +76,13 @@ def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in x's dtype.
+def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None) -> jax.Array:
+    """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in
+    ``out_dtype``: x's dtype (default), or float32 for bfloat16 x (the float32 accumulators as they
+    are, unrounded: a model's logits, without a separate conversion pass).
 
     Jittable with ``n`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
-    ``x`` and ``packed`` of different dtypes, or on shapes that do not match.
+    ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
     """
     if not native_matmul_available():
         raise RuntimeError("the native CPU matmul kernel was not built (no C++ compiler at install time?); "
@@ -97,5 +99,8 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
         raise ValueError(f"K does not match: x has {x.shape[1]} columns, the packed weight {packed.shape[1]} rows")
     if n < 0 or -(-n // PANEL) != packed.shape[0]:
         raise ValueError(f"n={n} does not match the packed weight's {packed.shape[0]} panels of {PANEL} columns")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), dtype))
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in (dtype, jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype ({dtype}) or float32, got {out_dtype}")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, packed)

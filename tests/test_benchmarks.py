@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import memory, overhead, serving  # noqa: E402
+from benchmarks import memory, overhead, profile, serving  # noqa: E402
 from benchmarks.workload import synthetic  # noqa: E402
 from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind  # noqa: E402
 
@@ -138,3 +138,22 @@ def test_cli_bench_hands_the_rest_of_the_line_to_the_benchmark():
     assert (ns.name, ns.args) == ("memory", ["--n", "3", "--skip-sharing"])
     assert {"serving", "memory", "overhead", "throughput", "kernels"} <= set(_benchmark_names())
     assert not {"common", "workload", "__init__"} & set(_benchmark_names())
+
+
+def test_profile_shares_overlapping_ops_and_maps_hlo_names():
+    """Two ops overlapping on two threads share the overlap; python-thread events are the host's."""
+    hlo = ('  %ffi_call.3 = f32[8,64]{1,0} custom-call(%x, %w), custom_call_target="jaxpaged_matmul_cpu", api_version=4\n'
+           '  ROOT %add_fusion.1 = f32[8,64]{1,0} fusion(%ffi_call.3), kind=kLoop, calls=%fused_computation\n')
+    kinds = profile._op_kinds(hlo, "other")
+    assert kinds == {"ffi_call.3": "matmul (native)", "add_fusion.1": "other"}
+    threads = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+               for t, n in ((1, "python"), (2, "tf_XLAEigen/1"), (3, "tf_XLAEigen/2"))]
+    ops = [{"ph": "X", "pid": 1, "tid": 2, "ts": 0.0, "dur": 4000.0, "name": "ffi_call.3"},
+           {"ph": "X", "pid": 1, "tid": 3, "ts": 2000.0, "dur": 4000.0, "name": "add_fusion.1"},
+           {"ph": "X", "pid": 1, "tid": 3, "ts": 0.0, "dur": 9000.0, "name": "ThunkExecutor::Execute"},
+           {"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 1.0, "name": "PjitFunction(_step)"},
+           {"ph": "X", "pid": 1, "tid": 1, "ts": 9.0, "dur": 1.0, "name": "PjitFunction(_step)"}]
+    by_kind, launches = profile.summarise({"traceEvents": threads + ops}, kinds)
+    # 0-2 ms matmul alone, 2-4 ms both (1 ms each), 4-6 ms the add alone: 3 + 3 = 6 ms busy.
+    assert by_kind == {"matmul (native)": 3.0, "other": 3.0}
+    assert launches == 2

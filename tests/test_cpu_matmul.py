@@ -75,6 +75,23 @@ def test_model_shapes(m, k, n):
     _check_bf16(_native(x, w, jnp.bfloat16), x, w)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 5, 7), (13, 130, 65), (64, 576, 49152 // 8), (37, 575, 31)])
+def test_bfloat16_in_float32_out(m, k, n):
+    """float32 out skips the final rounding: within the float32 accumulation bound of the
+    bfloat16-rounded inputs, far tighter than bfloat16 out, and equal to it once rounded."""
+    x, w = _data(m, k, n, seed=2)
+    xb, packed = jnp.asarray(x, jnp.bfloat16), jnp.asarray(pack_weight(w, jnp.bfloat16))
+    got = matmul(xb, packed, n, jnp.float32)
+    assert got.dtype == jnp.float32
+    wide = np.asarray(got, np.float64)
+    xr = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    wr = w.astype(ml_dtypes.bfloat16).astype(np.float64)
+    bound = 2 * (k + 2) * U32 * (np.abs(xr) @ np.abs(wr)) + 1e-30
+    np.testing.assert_array_less(np.abs(wide - xr @ wr), bound)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16), np.float32),
+                                  np.asarray(matmul(xb, packed, n), np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_under_jit_with_several_m(dtype):
     k, n = 577, 70
@@ -142,6 +159,8 @@ def test_errors():
         matmul(jnp.asarray(x, jnp.float16), packed.astype(jnp.float16), 10)
     with pytest.raises(ValueError, match="float32 and bfloat16"):
         pack_weight(w, np.float16)
+    with pytest.raises(ValueError, match="out_dtype must be x's dtype"):
+        matmul(jnp.asarray(x), packed, 10, jnp.bfloat16)
     with pytest.raises(ValueError, match="n=40 does not match"):
         matmul(jnp.asarray(x), packed, 40)
     with pytest.raises(ValueError, match="2-D"):

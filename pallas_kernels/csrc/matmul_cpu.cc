@@ -16,7 +16,7 @@
 // panel is streamed from memory exactly once, for all rows; with many rows the row blocks are
 // sized to stay in L2, and a panel stays in L2 across the row groups of its unit. Units are spread
 // over XLA's intra-op thread pool (see RunGemm). Accumulation is in float32; bfloat16 results are
-// rounded to nearest even.
+// rounded to nearest even, unless the caller asks for float32 out (bfloat16 x and weight).
 
 #include <algorithm>
 #include <array>
@@ -197,8 +197,8 @@ inline void PairStep(__m512 (&acc)[R][2], Word&& word, __m512i b0, __m512i b1) {
 #endif
 }
 
-template <int R, int kPf>
-void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
+template <int R, int kPf, typename O>
+void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc,
                int64_t cols, const char* ahead, int64_t ahead_lines) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -238,8 +238,11 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
   for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, acc[r], cols * sizeof(float));
 }
 
-template <int R, int>
-void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uint16_t* c, int64_t ldc,
+inline void StoreValue(float* c, float v) { *c = v; }
+inline void StoreValue(uint16_t* c, float v) { *c = F32ToBf16(v); }
+
+template <int R, int, typename O>
+void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc,
                int64_t cols, const char*, int64_t) {
   float acc[R][kNR] = {};
   float lo[kNR], hi[kNR];
@@ -258,33 +261,33 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, uin
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < cols; ++j) c[r * ldc + j] = F32ToBf16(acc[r][j]);
+    for (int64_t j = 0; j < cols; ++j) StoreValue(c + r * ldc + j, acc[r][j]);
 }
 
 #endif
 
-// The micro-kernels of one dtype, with or without prefetching ahead, by row count:
-// MicroTables<T>()[prefetch mode][R - 1].
-template <typename T>
-using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int64_t, const char*, int64_t);
+// The micro-kernels of one input dtype T and output dtype O (T, or float32 for bfloat16 inputs),
+// with or without prefetching ahead, by row count: MicroTables<T, O>()[prefetch mode][R - 1].
+template <typename T, typename O>
+using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, O*, int64_t, int64_t, const char*, int64_t);
 
-template <typename T, int kPf, int R>
-constexpr MicroFn<T> MicroFor() {
+template <typename T, typename O, int kPf, int R>
+constexpr MicroFn<T, O> MicroFor() {
   if constexpr (std::is_same_v<T, float>) {
     return &MicroF32<R, kPf>;
   } else {
-    return &MicroBf16<R, kPf>;
+    return &MicroBf16<R, kPf, O>;
   }
 }
 
-template <typename T, int kPf, size_t... R>
-constexpr std::array<MicroFn<T>, kMR> MicroTable(std::index_sequence<R...>) {
-  return {MicroFor<T, kPf, static_cast<int>(R) + 1>()...};
+template <typename T, typename O, int kPf, size_t... R>
+constexpr std::array<MicroFn<T, O>, kMR> MicroTable(std::index_sequence<R...>) {
+  return {MicroFor<T, O, kPf, static_cast<int>(R) + 1>()...};
 }
 
-template <typename T, size_t... Pf>
-constexpr std::array<std::array<MicroFn<T>, kMR>, kPrefetchModes> MicroTables(std::index_sequence<Pf...>) {
-  return {MicroTable<T, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
+template <typename T, typename O, size_t... Pf>
+constexpr std::array<std::array<MicroFn<T, O>, kMR>, kPrefetchModes> MicroTables(std::index_sequence<Pf...>) {
+  return {MicroTable<T, O, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,12 +313,12 @@ Plan MakePlan(int64_t m, int64_t k, int64_t n, int64_t elem_bytes, int64_t worke
   return {m, k, n, panels, (m + row_blocks - 1) / row_blocks, row_blocks * panels, workers};
 }
 
-template <typename T>
+template <typename T, typename O>
 struct Job {
   Plan plan;
   const T* x;
   const T* w;
-  T* out;
+  O* out;
 };
 
 // Splits `rows` into ceil(rows / kMR) near-equal micro-kernel row counts.
@@ -331,9 +334,9 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
 }
 
 // Unit u; `more` if the same worker will most likely run u + 1 next.
-template <typename T>
-void RunUnit(const Job<T>& job, int64_t u, bool more) {
-  static constexpr auto kTables = MicroTables<T>(std::make_index_sequence<kPrefetchModes>());
+template <typename T, typename O>
+void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
+  static constexpr auto kTables = MicroTables<T, O>(std::make_index_sequence<kPrefetchModes>());
   const Plan& p = job.plan;
   const int64_t panel_lines = p.k * kNR * static_cast<int64_t>(sizeof(T)) / 64;
   const int64_t rb = u / p.panels, panel = u % p.panels;
@@ -400,9 +403,9 @@ inline bool Refill(SharedState& s, Range& mine, int64_t n, int64_t share) {
   return false;
 }
 
-template <typename T, typename Pool>
-void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
-  const Job<T> job{plan, x, w, out};
+template <typename T, typename O, typename Pool>
+void RunGemm(const Plan& plan, const T* x, const T* w, O* out, Pool& pool) {
+  const Job<T, O> job{plan, x, w, out};
   const int64_t n = plan.units, share = 2 * plan.workers;
   const int64_t helpers = std::min<int64_t>(plan.workers, n) - 1;
   auto state = std::make_shared<SharedState>(helpers + 1);
@@ -429,11 +432,11 @@ void RunGemm(const Plan& plan, const T* x, const T* w, T* out, Pool& pool) {
 }
 
 // False if the problem has too many units for Range's 32-bit halves (N over 2^36 / M columns).
-template <typename T, typename Pool>
-bool Gemm(const T* x, const T* w, T* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
+template <typename T, typename O, typename Pool>
+bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
   if (m == 0 || n == 0) return true;
   if (k == 0) {
-    std::memset(out, 0, m * n * sizeof(T));
+    std::memset(out, 0, m * n * sizeof(O));
     return true;
   }
   const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
@@ -451,17 +454,22 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
   const int64_t m = xd[0], k = xd[1], n = od[1];
   if (wd[1] != k || od[0] != m || (n + kNR - 1) / kNR != wd[0])
     return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out shapes do not agree");
-  if (x.element_type() != packed.element_type() || out->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out must share a dtype");
+  if (x.element_type() != packed.element_type())
+    return ffi::Error::InvalidArgument("matmul_cpu: x and the packed weight must share a dtype");
+  if (out->element_type() != x.element_type() && out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("matmul_cpu: out must be x's dtype or float32");
+  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
+  const auto* wb = static_cast<const uint16_t*>(packed.untyped_data());
   bool ok;
   switch (x.element_type()) {
     case ffi::DataType::F32:
       ok = Gemm(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(packed.untyped_data()),
                 static_cast<float*>(out->untyped_data()), m, k, n, pool);
       break;
-    case ffi::DataType::BF16:
-      ok = Gemm(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(packed.untyped_data()),
-                static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
+    case ffi::DataType::BF16:  // out in bfloat16, or float32 unrounded (logits)
+      ok = out->element_type() == ffi::DataType::F32
+               ? Gemm(xb, wb, static_cast<float*>(out->untyped_data()), m, k, n, pool)
+               : Gemm(xb, wb, static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
       break;
     default:
       return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");

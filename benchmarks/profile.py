@@ -1,0 +1,140 @@
+"""Where the time goes: a ``jax.profiler`` trace of ``LLM.generate`` on the throughput workload,
+summarised by kind of work.
+
+The trace (Perfetto / TensorBoard format, kept under ``--trace-dir``) names every device op by its
+HLO instruction name; the compiled HLO of the step and sampler programs that ran maps those names
+to kinds: the native matmul, attention and KV-write kernels, the forward's other XLA ops (norms,
+RoPE, SiLU, residual adds, embedding gather), the sampler's. The device's busy time is the union of
+the programs' executions; the rest of the wall time is host work the device waited for.
+
+``python -m benchmarks.profile --n 64 [--dtype bfloat16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import print_table, write_json
+from benchmarks.workload import synthetic
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+_TARGET = re.compile(r'custom_call_target="(\w+)"')
+_TARGET_KINDS = (("matmul", "matmul (native)"), ("attention", "attention (native)"), ("write_kv", "KV write (native)"))
+_INFRASTRUCTURE = ("Thunk", "Threadpool", "Slinky", "end: ")
+
+
+def _op_kinds(hlo_text: str, default: str) -> dict[str, str]:
+    """HLO instruction name -> kind, for one compiled program."""
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            target = _TARGET.search(line)
+            target = target.group(1) if target else ""
+            kinds[m.group(1)] = next((k for t, k in _TARGET_KINDS if t in target), default)
+    return kinds
+
+
+def summarise(trace: dict, kinds: dict[str, str]) -> tuple[dict[str, float], int]:
+    """Per kind, the device time its ops took (ms): XLA runs independent ops on several threads at
+    once, so an instant shared by k running ops counts 1/k for each, and the kinds sum to the time
+    the device was busy. Also the number of forward programs the host launched."""
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    edges, launches = [], 0
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        if threads.get((e["pid"], e["tid"])) == "python":
+            launches += e["name"] == "PjitFunction(_step)"
+        elif not e["name"].startswith(_INFRASTRUCTURE):
+            kind = kinds.get(e["name"], "other (block copies, transfers)")
+            edges += [(e["ts"], 1, kind), (e["ts"] + e["dur"], -1, kind)]
+    edges.sort()
+    running, time_us, last = collections.Counter(), collections.defaultdict(float), 0.0
+    for t, change, kind in edges:
+        n = sum(running.values())
+        for k, c in running.items():
+            if c:
+                time_us[k] += (t - last) * c / n
+        running[kind] += change
+        last = t
+    return {k: v / 1e3 for k, v in time_us.items()}, launches
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary directory)")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.model_runner import sample_fn, step_fn
+
+    reqs = synthetic(args.n, args.seed)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    prompts = [r.prompt_token_ids for r in reqs]
+    llm.generate(prompts, params, use_tqdm=False)  # every program compiled and loaded
+
+    runner = llm.engine.runner
+    batches, run_batch = {}, runner.run_batch
+
+    def recording_run_batch(b):
+        batches.setdefault(b.program_keys, b)
+        return run_batch(b)
+
+    runner.run_batch = recording_run_batch
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxpaged-profile-"))
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python frames would slow the host part several times over
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall_ms = (time.perf_counter() - t) * 1e3
+    jax.profiler.stop_trace()
+    runner.run_batch = run_batch
+
+    m = runner.model
+    kinds: dict[str, str] = {}
+    forwards = []
+    for b in batches.values():
+        forward = step_fn.lower(m.module, m.params, runner.kv_pages, b.input_ids, b.positions, b.md,
+                                b.logits_indices, b.prev_index, runner._prev_tokens)
+        forwards.append(forward.compile().as_text())
+        sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
+                                  num_token_slots=runner.max_rows).compile().as_text()
+        kinds.update(_op_kinds(sampler, "sampler"))
+    for text in forwards:  # a name in both programs counts as the forward's, by far the larger
+        kinds.update(_op_kinds(text, "other XLA ops of the forward (norms, RoPE, SiLU, adds, gathers)"))
+
+    trace = json.load(gzip.open(sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))[-1]))
+    by_kind, launches = summarise(trace, kinds)
+    busy_ms = sum(by_kind.values())
+    rows = [(k, f"{ms:.0f}", f"{100 * ms / wall_ms:.1f}") for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    rows += [("device busy", f"{busy_ms:.0f}", f"{100 * busy_ms / wall_ms:.1f}"),
+             ("device idle (waiting for the host)", f"{wall_ms - busy_ms:.0f}", f"{100 - 100 * busy_ms / wall_ms:.1f}"),
+             ("wall time of generate()", f"{wall_ms:.0f}", "100.0")]
+    print(f"{args.n} requests, {args.dtype}: {launches} steps, {len(batches)} step shapes; trace (Perfetto, "
+          f"TensorBoard): {trace_dir}")
+    print_table(["kind of work", "ms", "% of wall"], rows, widths=[64, 8, 10])
+    return write_json(f"profile_{args.dtype}", {"args": vars(args), "by_kind_ms": by_kind, "device_busy_ms": busy_ms,
+                                                "wall_ms": wall_ms, "steps": launches, "trace_dir": str(trace_dir)})
+
+
+if __name__ == "__main__":
+    main()
