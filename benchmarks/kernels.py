@@ -192,7 +192,7 @@ def _time_call(fn, *args, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_backends(iters: int, quick: bool) -> list[dict]:
+def time_backends(iters: int, quick: bool, block_size: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -211,7 +211,7 @@ def time_backends(iters: int, quick: bool) -> list[dict]:
         kernel = None
     slow = ["pallas_interpret", "reference"] if on_cpu else ["reference"]
     backends = [b for b in (kernel, "xla", *slow) if b is not None and not (quick and b in slow)]
-    shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
+    shapes = dict(block_size=block_size, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
     # (kind, rows, context): decode rows of one token; one prefill chunk of `context` tokens from
     # position 0; 448 prompt tokens next to `rows` decode rows (one chunked-prefill step).
     workloads = [("decode", 1, 2048), ("decode", 8, 256), ("decode", 64, 256), ("decode", 64, 512),
@@ -362,12 +362,15 @@ def compile_check(libtpu_dir: str | None, triton_dir: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxpaged.config import EngineArgs
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--roofline", action="store_true", help="print the decode roofline table")
     parser.add_argument("--compile-check", action="store_true", help="compile for TPU/GPU without devices")
     parser.add_argument("--libtpu", help="directory holding the libtpu package (for --compile-check)")
     parser.add_argument("--triton", help="directory holding the triton package (for --compile-check)")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per backend and workload")
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     parser.add_argument("--quick", action="store_true",
                         help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)")
     args = parser.parse_args(argv)
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compile_check:
         return 1 if compile_check(args.libtpu, args.triton) else 0
-    rows = time_backends(args.iters, args.quick)
+    rows = time_backends(args.iters, args.quick, args.block_size)
     from benchmarks.common import write_json
 
     write_json("kernels", {"args": vars(args), "rows": rows})
