@@ -289,11 +289,11 @@ class KVCacheManager:
 
         All or nothing: returns False, allocating nothing, if the pool is short.
         """
-        bs, block_ids = self.block_size, request.block_ids
+        block_ids = request.block_ids
         total = request.num_computed_tokens + num_new_tokens
-        missing = max(0, -(-total // bs) - len(block_ids))
+        missing = max(0, self.blocks_needed(total) - len(block_ids))
         # Copy on write: only a partly filled last block can be both shared and written.
-        i = request.num_computed_tokens // bs
+        i = request.num_computed_tokens // self.block_size
         cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
         needed = missing + (cow is not None)
         if needed == 0:                    # the common decode step: room left in a private last block

@@ -565,7 +565,6 @@ class ModelRunner:
                     np.full(T_b, -1, np.int32), sampling, empty, empty, 0, flags)))
         return self.num_compiled_programs - before
 
-
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         P = _bucket(len(pairs), 1 << 30)
         src = np.zeros(P, np.int32)

@@ -131,6 +131,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
+    def all_outputs_sampled(self) -> bool:
+        """Every output token ``max_tokens`` allows is appended or in flight: nothing left to schedule."""
+        return len(self.output_token_ids) + self.num_output_placeholders >= self.max_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

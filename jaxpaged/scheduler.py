@@ -206,7 +206,7 @@ class Scheduler:
             known = request.num_tokens_with_placeholders
             num_new = min(known - computed, budget, max_len - computed)
             # Nothing known to compute until the engine appends a token, or its last token is in flight.
-            if num_new <= 0 or len(request.output_token_ids) + request.num_output_placeholders >= request.max_tokens:
+            if num_new <= 0 or request.all_outputs_sampled:
                 i += 1
                 continue
             if not kv.allocate_slots(request, num_new) and not self._preempt_for(request, num_new, out):
@@ -296,8 +296,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput, at: int = 0) -> None:
         # A request whose last token is in flight will finish when it arrives: its blocks are freed, never swapped.
-        finishing = request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-        pairs = self.kv_cache_manager.swap_out(request) if self.swap and not finishing else None
+        pairs = self.kv_cache_manager.swap_out(request) if self.swap and not request.all_outputs_sampled else None
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)
             self.num_swapped_out += 1

@@ -25,8 +25,11 @@ def _gguf_tokenizer(path: pathlib.Path, cache_dir: str | None) -> transformers.P
     """The tokenizer embedded in a GGUF. transformers builds it from the file's vocabulary in
     seconds; with ``cache_dir`` a copy saved there (keyed by the file's path, size and modification
     time) loads in a fraction of that on later starts."""
-    if not cache_dir:
+    def build() -> transformers.PreTrainedTokenizerBase:
         return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+    if not cache_dir:
+        return build()
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = pathlib.Path(cache_dir) / f"{path.stem}-{key}"
@@ -36,7 +39,7 @@ def _gguf_tokenizer(path: pathlib.Path, cache_dir: str | None) -> transformers.P
         except Exception as e:  # noqa: BLE001 -- whatever is wrong with a cached copy, it is rebuilt below
             logger.warning("ignoring the cached tokenizer %s (%s); rebuilding it from %s", cached, e, path)
             shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = build()
     partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
     try:
         tokenizer.save_pretrained(partial)

@@ -11,42 +11,25 @@ extension: without a compiler the install still succeeds and ``auto`` falls back
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib.machinery
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.native import register_cpu_targets
 
 _TARGET = "jaxpaged_paged_attention_cpu"
 _WRITE_TARGET = "jaxpaged_write_kv_cpu"
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_LIBRARY_STEM = "_paged_attention_cpu"
-
-
-def _library_path() -> pathlib.Path | None:
-    here = pathlib.Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{_LIBRARY_STEM}{suffix}"
-        if path.exists():
-            return path
-    return None
 
 
 @functools.cache
 def native_kernel_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    path = _library_path()
-    if path is None:
-        return False
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionCpu), platform="cpu")
-    jax.ffi.register_ffi_target(_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxpagedWriteKvCpu), platform="cpu")
-    return True
+    return register_cpu_targets("pallas_kernels._paged_attention_cpu",
+                                {_TARGET: "JaxpagedPagedAttentionCpu", _WRITE_TARGET: "JaxpagedWriteKvCpu"})
 
 
 def cpu_write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:

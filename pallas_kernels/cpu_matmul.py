@@ -6,7 +6,8 @@ native kernel takes a weight packed once on the host (:func:`pack_weight`) into 
 register-blocked micro-kernels (12 rows x 32 columns) read front to back, streams each panel once
 for all rows when there are few rows, and spreads (row block, panel) units over XLA's intra-op
 thread pool. float32 computes in float32; bfloat16 multiplies bfloat16 pairs and accumulates in
-float32 (AVX512-BF16 where the CPU has it), then rounds the output to bfloat16 (nearest even).
+float32 (AVX512-BF16 where the CPU has it), then rounds the output to bfloat16 (nearest even), or
+returns the float32 sums as they are when asked (``out_dtype``).
 
 Packed layout (``pack_weight(w, dtype)`` for ``w[K, N]``): an array ``[P, K, 32]`` of ``dtype``
 with ``P = ceil(N / 32)`` panels of 32 columns, columns past ``N`` zero. Panel ``p`` covers
@@ -23,16 +24,15 @@ This module knows nothing about models; it only checks shapes and dtypes.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.native import register_cpu_targets
+
 _TARGET = "jaxpaged_matmul_cpu"
-_LIBRARY = "pallas_kernels._matmul_cpu"
 PANEL = 32  # columns per packed panel
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -40,12 +40,7 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 @functools.cache
 def native_matmul_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    spec = importlib.util.find_spec(_LIBRARY)  # finds the shared library without importing it
-    if spec is None or spec.origin is None:
-        return False
-    lib = ctypes.cdll.LoadLibrary(spec.origin)
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedMatmulCpu), platform="cpu")
-    return True
+    return register_cpu_targets("pallas_kernels._matmul_cpu", {_TARGET: "JaxpagedMatmulCpu"})
 
 
 def _checked_dtype(dtype) -> np.dtype:

@@ -13,6 +13,7 @@ single-device ops. Under a mesh:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -59,13 +60,10 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
              mesh: Any = None) -> jax.Array:
     """``pallas_kernels.dispatch.write_kv`` (same arguments), per head shard when ``mesh`` is given:
     each device stores its own kv heads into its own slice of the page array."""
+    write = functools.partial(dispatch.write_kv, backend=backend)
     if mesh is None:
-        return dispatch.write_kv(kv_pages, layer, k, v, slot_mapping, backend=backend)
-
-    def local(kv_pages, layer, k, v, slot_mapping):
-        return dispatch.write_kv(kv_pages, layer, k, v, slot_mapping, backend=backend)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(KV_PAGES, P(), HEADS, HEADS, P()), out_specs=KV_PAGES,
+        return write(kv_pages, layer, k, v, slot_mapping)
+    return jax.shard_map(write, mesh=mesh, in_specs=(KV_PAGES, P(), HEADS, HEADS, P()), out_specs=KV_PAGES,
                          check_vma=False)(kv_pages, layer, k, v, slot_mapping)
 
 

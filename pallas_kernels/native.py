@@ -1,0 +1,20 @@
+"""Loading the C++ kernels that ``pip install`` builds (``setup.py``'s optional extensions)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+
+import jax
+
+
+def register_cpu_targets(library: str, targets: dict[str, str]) -> bool:
+    """Load the shared library of module ``library`` (found without importing it) and register each
+    XLA FFI target name -> exported handler symbol on the CPU platform; False if it was not built."""
+    spec = importlib.util.find_spec(library)
+    if spec is None or spec.origin is None:
+        return False
+    lib = ctypes.cdll.LoadLibrary(spec.origin)
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True
