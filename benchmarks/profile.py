@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import print_table, write_json
 from benchmarks.workload import synthetic
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     forwards = []
     for b in batches.values():
         forward = step_fn.lower(m.module, m.params, runner.kv_pages, b.input_ids, b.positions, b.md,
-                                b.logits_indices, b.prev_index, runner._prev_tokens)
+                                b.logits_indices, b.prev_index, runner._prev_tokens, np.int32(b.num_logits))
         forwards.append(forward.compile().as_text())
         sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
                                   num_token_slots=runner.max_rows).compile().as_text()

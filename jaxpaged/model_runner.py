@@ -78,6 +78,13 @@ class StepBatch:
     flags: SamplerFlags
 
     @property
+    def num_logits(self) -> int:
+        """Leading ``logits_indices`` entries that matter (the LM head computes only those): the
+        sampled rows, or with prompt positions every entry up to the last of them."""
+        P = len(self.prompt_rows)
+        return self.num_rows if P == 0 else self.sampling.temperature.shape[0] + P
+
+    @property
     def program_keys(self) -> tuple[tuple, tuple]:
         """The shapes (and flags) that select the compiled forward and sampler programs."""
         st = self.sampling
@@ -108,10 +115,11 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-def _step(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None):
+def _step(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None,
+          num_logits=None):
     if prev_index is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices)
+    logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices, num_logits)
     return kv_pages, logits
 
 
@@ -124,17 +132,18 @@ def _jit_step(mesh):
         return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_step, static_argnames=("module",), donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep, rep, rep, rep), out_shardings=(kv, rep))
+                   in_shardings=(None, kv, rep, rep, rep, rep, rep, rep, rep), out_shardings=(kv, rep))
 
 
-def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None):
+def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None,
+            num_logits=None):
     """The model part of the step: forward over the ragged batch, KV written in place, logits out.
 
     Module-level (the Flax module is a static, hashable argument, and carries its device mesh
     under tensor parallelism) so engines with the same model share compiled programs.
     """
     return _jit_step(getattr(module, "mesh", None))(module, params, kv_pages, input_ids, positions, md,
-                                                     logits_indices, prev_index, prev_tokens)
+                                                     logits_indices, prev_index, prev_tokens, num_logits)
 
 
 step_fn.lower = lambda module, *args: _jit_step(getattr(module, "mesh", None)).lower(module, *args)
@@ -519,7 +528,8 @@ class ModelRunner:
         # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
         # several times faster than a jax.device_put of the tree.
         self.kv_pages, logits = step_fn(self.model.module, self.model.params, self.kv_pages, b.input_ids, b.positions,
-                                        b.md, b.logits_indices, b.prev_index, self._prev_tokens)
+                                        b.md, b.logits_indices, b.prev_index, self._prev_tokens,
+                                        np.int32(b.num_logits))
         sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
                                                        num_token_slots=self.max_rows)
         return LaunchedStep(sampled, prompt, b.prompt_rows, b.num_rows)

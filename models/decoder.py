@@ -151,7 +151,9 @@ class Linear(nn.Module):
     """A dense layer ``x @ kernel (+ bias)``. With the ``cpu`` matmul backend its kernel is the
     native CPU matmul's packed weight (``pack_for_matmul_backend`` packs a ``[in, out]`` kernel once,
     at load); otherwise the ``[in, out]`` kernel goes through XLA's dot. ``out_dtype`` (default
-    ``dtype``) float32 keeps a bfloat16 layer's float32 accumulation (the LM head's logits)."""
+    ``dtype``) float32 keeps a bfloat16 layer's float32 accumulation (the LM head's logits).
+    ``num_rows`` (an int32 scalar) counts the leading rows of ``x`` that are real tokens: the native
+    matmul computes only those (the rest come out zero); XLA's dot computes every row."""
 
     features: int
     use_bias: bool
@@ -160,12 +162,12 @@ class Linear(nn.Module):
     out_dtype: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         k = x.shape[-1]
         if self.backend == "cpu":
             shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
             kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
-            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype)
+            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows)
             y = y.reshape(*x.shape[:-1], self.features)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features), self.dtype)
@@ -211,13 +213,14 @@ class DecoderLayer(nn.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         c, layer = self.cfg, self.layer
         T = h.shape[0]
+        num_rows = md.query_start_loc[-1]       # real tokens; the rest of the bucket is padding
         dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend)
         attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
         mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, name="post_attention_layernorm")
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         x = attn_norm(h) if c.pre_norm else h
-        qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x)
+        qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, num_rows)
         q, k, v = split_fused(qkv, (q_size, kv_size, kv_size), self.mesh)
         q = q.reshape(T, c.num_heads, c.head_dim)
         k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
@@ -227,26 +230,29 @@ class DecoderLayer(nn.Module):
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
                                scale=scale, sliding_window=c.sliding_window)
-        h = h + dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size))
+        h = h + dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows)
         if not c.pre_norm:
             h = attn_norm(h)
 
         x = mlp_norm(h) if c.pre_norm else h
         act = ACTIVATIONS[c.activation]
         if c.gated_mlp:
-            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x)
+            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows)
             gate, up = split_fused(gate_up, (c.intermediate_size, c.intermediate_size), self.mesh)
             y = act(gate) * up
         else:
-            y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x))
-        h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y)
+            y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x, num_rows))
+        h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows)
         if not c.pre_norm:
             h = mlp_norm(h)
         return h, kv_pages
 
 
 class DecoderForCausalLM(nn.Module):
-    """``(input_ids[T], positions[T], kv_pages, md, logits_indices[R]) -> (logits[R, V] f32, kv_pages)``."""
+    """``(input_ids[T], positions[T], kv_pages, md, logits_indices[R], num_logits) -> (logits[R, V] f32, kv_pages)``.
+
+    Tokens past ``md.query_start_loc[-1]`` and ``logits_indices`` entries past ``num_logits`` (an
+    int32 scalar; None: all) are padding, which the native matmul does not compute."""
 
     cfg: DecoderConfig
     dtype: Any = jnp.float32
@@ -255,14 +261,14 @@ class DecoderForCausalLM(nn.Module):
     matmul_backend: str = "xla"     # "cpu": kernels packed for the native CPU matmul (one device only)
 
     @nn.compact
-    def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices):
+    def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices, num_logits=None):
         c = self.cfg
         dense = functools.partial(Linear, use_bias=False, dtype=self.dtype, backend=self.matmul_backend)
         project = c.embed_dim != c.hidden_size
         embed = Embed(c.vocab_size, c.embed_dim, self.dtype, name="embed_tokens")
         h = embed(input_ids)
         if project:
-            h = dense(c.hidden_size, name="project_in")(h)
+            h = dense(c.hidden_size, name="project_in")(h, md.query_start_loc[-1])
         rope = None
         if c.position == "rope":
             angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
@@ -277,10 +283,10 @@ class DecoderForCausalLM(nn.Module):
         if c.final_norm:
             h = Norm(c.norm, c.norm_eps, self.dtype, name="norm")(h)
         if project:
-            h = dense(c.embed_dim, name="project_out")(h)
+            h = dense(c.embed_dim, name="project_out")(h, num_logits)
         # The native matmul needs its own packed copy of a tied head (the embedding, transposed).
         tied = c.tie_word_embeddings and self.matmul_backend != "cpu"
-        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h)
+        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h, num_logits)
         return logits.astype(jnp.float32), kv_pages
 
 

@@ -71,10 +71,15 @@ def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: jax.Array | int | None = None
+           ) -> jax.Array:
     """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in
     ``out_dtype``: x's dtype (default), or float32 for bfloat16 x (the float32 accumulators as they
     are, unrounded: a model's logits, without a separate conversion pass).
+
+    ``num_rows`` (an int32 scalar, traced or not; default ``M``): only the first ``num_rows`` rows of
+    ``x`` are multiplied, the output's other rows are zeros. A batch padded to a bucket of ``M``
+    tokens pays for its real tokens only, with one compiled program per bucket.
 
     Jittable with ``n`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
     ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
@@ -97,5 +102,8 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None) -> jax.Array
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in (dtype, jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype ({dtype}) or float32, got {out_dtype}")
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    if rows.shape != ():
+        raise ValueError(f"num_rows must be a scalar, got shape {rows.shape}")
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return call(x, packed)
+    return call(x, packed, rows)

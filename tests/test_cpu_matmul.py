@@ -106,6 +106,23 @@ def test_under_jit_with_several_m(dtype):
         check(np.asarray(out, np.float64) / 2, x, w)
 
 
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)])
+def test_num_rows_computes_leading_rows_and_zeros_the_rest(dtype, out_dtype):
+    """One program (num_rows traced) serves every count: rows below it are the full product's,
+    rows from it on are zeros even where x holds values (padding); counts past M mean all rows."""
+    m, k, n = 40, 577, 70
+    x, w = _data(m, k, n)
+    packed = jnp.asarray(pack_weight(w, dtype))
+    full = np.asarray(matmul(jnp.asarray(x, dtype), packed, n, out_dtype), np.float64)
+    step = jax.jit(lambda x, p, r: matmul(x, p, n, out_dtype, r))
+    for rows in (0, 1, 13, 39, 40, 100, -3):
+        got = np.asarray(step(jnp.asarray(x, dtype), packed, jnp.int32(rows)), np.float64)
+        live = min(max(rows, 0), m)
+        np.testing.assert_array_equal(got[:live], full[:live])
+        assert not got[live:].any()
+    assert step._cache_size() == 1
+
+
 def test_large_values_and_zero_rows():
     """Rows of zeros give zeros; values near float32's range do not overflow in the packing."""
     x, w = _data(20, 33, 45)
@@ -167,3 +184,5 @@ def test_errors():
         pack_weight(w[None], jnp.float32)
     with pytest.raises(ValueError, match=r"expected x\[M, K\]"):
         matmul(jnp.asarray(x)[None], packed, 10)
+    with pytest.raises(ValueError, match="num_rows must be a scalar"):
+        matmul(jnp.asarray(x), packed, 10, num_rows=jnp.array([2, 3], jnp.int32))

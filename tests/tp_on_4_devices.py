@@ -130,7 +130,7 @@ def test_step_communicates_only_reductions_and_the_logits_gather(run):
                            np.array([10, 6] + [0] * 6, np.int32), qsl, tile_row, tile_start, tile_len, 16)
     hlo = step_fn.lower(runner.model.module, runner.model.params, runner.kv_pages, np.zeros(T, np.int32),
                         np.zeros(T, np.int32), md, np.zeros(R, np.int32), np.full(T, -1, np.int32),
-                        np.zeros(runner.max_rows, np.int32)).compile().as_text()
+                        np.zeros(runner.max_rows, np.int32), np.int32(R)).compile().as_text()
     ops = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
                      hlo)
     num_layers = runner.model.module.cfg.num_layers

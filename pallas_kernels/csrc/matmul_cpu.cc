@@ -1,4 +1,6 @@
 // Dense matmul for the CPU, called from XLA through the FFI: out[M, N] = x[M, K] @ w[K, N].
+// A third operand, an int32 count `rows`, says how many leading rows of x matter (a padded
+// batch's real tokens): only those are multiplied, out's other rows are zero.
 //
 // The weight is packed once on the host (pallas_kernels/cpu_matmul.py, pack_weight) into
 // panels of kNR = 32 columns, each panel contiguous so a micro-kernel streams it front to back:
@@ -445,15 +447,18 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
   return true;
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi::S32> rows,
+                      ffi::Result<ffi::AnyBuffer> out) {
   const auto xd = x.dimensions();
   const auto wd = packed.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kNR)
     return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], packed[P,K,32], out[M,N]");
-  const int64_t m = xd[0], k = xd[1], n = od[1];
-  if (wd[1] != k || od[0] != m || (n + kNR - 1) / kNR != wd[0])
+  if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
+  const int64_t k = xd[1], n = od[1];
+  if (wd[1] != k || od[0] != xd[0] || (n + kNR - 1) / kNR != wd[0])
     return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out shapes do not agree");
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);  // rows past it: padding
   if (x.element_type() != packed.element_type())
     return ffi::Error::InvalidArgument("matmul_cpu: x and the packed weight must share a dtype");
   if (out->element_type() != x.element_type() && out->element_type() != ffi::DataType::F32)
@@ -474,7 +479,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
     default:
       return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
   }
-  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument("matmul_cpu: problem too large");
+  if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
+  const size_t row_bytes = n * ffi::ByteWidth(out->element_type());
+  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0, (xd[0] - m) * row_bytes);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -484,4 +492,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
