@@ -116,11 +116,14 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF's rotate-half convention: ``x[T, H, D]`` rotated by per-token angles ``[T, D/2]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    """HF's rotate-half convention: ``x[T, H, D]`` rotated by per-token angles ``[T, D/2]``.
+    The halves are stacked on a new axis, not concatenated on the last: XLA's CPU fusion of the
+    concatenation ran 2x slower (it was 6% of a SmolLM2 workload's time)."""
+    T, H, D = x.shape
+    halves = x.reshape(T, H, 2, D // 2)
+    x1, x2 = halves[:, :, 0], halves[:, :, 1]
     c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=2).reshape(T, H, D)
 
 
 def layer_name(i: int) -> str:
