@@ -409,6 +409,25 @@ Vec Scores16(const Problem& p, const float* q, const float* const* k) {
   return x;
 }
 
+#if JAXPAGED_AVX512 && defined(__AVX512BF16__)
+#define JAXPAGED_BF16_DOT 1
+// Lane r = q . k[r] for 16 keys, q and keys in bfloat16 as stored (d elements each), by vdpbf16ps:
+// 32 products per instruction summed in float32, with no widening pass over the keys.
+inline Vec Scores16(const Problem& p, const uint16_t* q, const uint16_t* const* k) {
+  Vec acc[kDecodeKeys];
+  UNROLL for (int r = 0; r < kDecodeKeys; ++r) acc[r] = Zero();
+  for (int64_t e = 0; e < p.d; e += 32) {
+    const __mmask32 m = p.d - e >= 32 ? ~__mmask32{0} : (__mmask32{1} << (p.d - e)) - 1;
+    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + e);
+    UNROLL for (int r = 0; r < kDecodeKeys; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[r] + e));
+  }
+  return SumEach16(acc);
+}
+#else
+#define JAXPAGED_BF16_DOT 0
+#endif
+
 // ------------------------------------------------------------------------------ prefill tile
 // (one kv head, see MakePlan)
 
@@ -513,9 +532,13 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
   // read in whole vectors (Carve rounds their sizes up).
   const auto [qs, m, l, alpha, sum, s, o, kbuf, vbuf] = sc.Carve(
       {rows * dpad, rows, rows, rows, rows, rows * kDecodeKeys, rows * dpad, kDecodeKeys * dpad, kDecodeKeys * dpad});
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t e = 0; e < dpad; e += kLanes)
-      Store(qs + i * dpad + e, Mul(LoadMasked(q + (w.t0 * p.hq + row0 + i) * d + e, FirstLanes(d - e)), Set1(p.scale)));
+  // bfloat16 with AVX512-BF16: queries and keys are multiplied as stored, the scores scaled after.
+  constexpr bool bf16_dot = JAXPAGED_BF16_DOT && std::is_same_v<T, uint16_t>;
+  const T* q_rows = q + (w.t0 * p.hq + row0) * d;
+  if (!bf16_dot)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t e = 0; e < dpad; e += kLanes)
+        Store(qs + i * dpad + e, Mul(LoadMasked(q_rows + i * d + e, FirstLanes(d - e)), Set1(p.scale)));
   const int64_t rows_padded = (rows + kLanes - 1) / kLanes * kLanes;
   std::fill(m, m + rows_padded, kNegInf);
   std::fill(l, l + rows_padded, 0.f);
@@ -546,9 +569,18 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
     };
     for (int64_t h = w.h0; h < w.h1; ++h) {
       prefetch_next(knext, h);
-      HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
-      for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
-        Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
+      if constexpr (bf16_dot) {
+#if JAXPAGED_BF16_DOT
+        const T* kh[kDecodeKeys];  // keys past nk repeat the first (their scores are masked below)
+        for (int64_t i = 0; i < kDecodeKeys; ++i) kh[i] = krows[i < nk ? i : 0] + h * d;
+        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
+          Store(s + i * kDecodeKeys, Mul(Scores16(p, q_rows + i * d, kh), Set1(p.scale)));
+#endif
+      } else {
+        HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
+        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
+          Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
+      }
     }
     // Online softmax of every row at once: independent chains of horizontal reductions overlap,
     // and the rescaling factors are exponentiated 16 rows at a time.
