@@ -216,7 +216,7 @@ class DecoderLayer(nn.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         c, layer = self.cfg, self.layer
         T = h.shape[0]
-        num_rows = md.query_start_loc[-1]       # real tokens; the rest of the bucket is padding
+        num_rows = md.num_real_tokens
         dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend)
         attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
         mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, name="post_attention_layernorm")
@@ -254,7 +254,7 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """``(input_ids[T], positions[T], kv_pages, md, logits_indices[R], num_logits) -> (logits[R, V] f32, kv_pages)``.
 
-    Tokens past ``md.query_start_loc[-1]`` and ``logits_indices`` entries past ``num_logits`` (an
+    Tokens past ``md.num_real_tokens`` and ``logits_indices`` entries past ``num_logits`` (an
     int32 scalar; None: all) are padding, which the native matmul does not compute."""
 
     cfg: DecoderConfig
@@ -271,7 +271,7 @@ class DecoderForCausalLM(nn.Module):
         embed = Embed(c.vocab_size, c.embed_dim, self.dtype, name="embed_tokens")
         h = embed(input_ids)
         if project:
-            h = dense(c.hidden_size, name="project_in")(h, md.query_start_loc[-1])
+            h = dense(c.hidden_size, name="project_in")(h, md.num_real_tokens)
         rope = None
         if c.position == "rope":
             angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]

@@ -42,6 +42,11 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    @property
+    def num_real_tokens(self) -> jax.Array:
+        """The tokens before the bucket's padding (a traced scalar inside jit)."""
+        return self.query_start_loc[-1]
+
 
 def build_prefill_tiles(query_start_loc: np.ndarray, tile_size: int, num_tiles: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
