@@ -18,6 +18,10 @@ also runs the engine with ``async_scheduling=False`` (host and device take turns
 "device only" is the same decode batch launched and collected back to back with no host work
 between (``ModelRunner.run_batch`` + ``collect``); "exposed" = step - device only is the host
 overhead the device actually waits for.
+"scheduler alone" times ``Scheduler.schedule()`` (scheduler + block manager, prefix caching on, as
+the engine's default) of the same number of decoding requests with no engine and no device, each
+step followed by the bookkeeping of its sampled tokens: the pure-Python part, free of the noise
+that a device step running on the same two cores adds to the other phases.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, and ``CUMULATIVE`` ones, as
@@ -150,6 +154,51 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     return timings, device_only
 
 
+def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: int = 32, warmup: int = 8,
+                    seed: int = 0) -> list[float]:
+    """Seconds of each of ``steps`` ``Scheduler.schedule()`` calls for ``num_requests`` decoding requests,
+    after their prompts and ``warmup`` decode steps; between steps every sampled token is taken in
+    (placeholder resolved, token appended) as the engine does. Raises if a timed step is not one
+    decode token for each request."""
+    import random
+
+    from jaxpaged.config import SchedulerConfig
+    from jaxpaged.kv_cache_manager import KVCacheManager
+    from jaxpaged.request import Request
+    from jaxpaged.sampling_params import SamplingParams
+    from jaxpaged.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    max_len = prompt_len + 2 * (num_requests * prompt_len // 512 + warmup + steps) + 2
+    blocks = num_requests * -(-max_len // block_size) + 1
+    scheduler = Scheduler(SchedulerConfig(512, num_requests, enable_chunked_prefill=True),
+                          KVCacheManager(blocks, block_size, enable_caching=True), max_len)
+    sp = SamplingParams(temperature=0.0, ignore_eos=True)
+    for i in range(num_requests):
+        scheduler.add_request(Request(f"alone-{i}", [rng.randrange(32, 49152) for _ in range(prompt_len)], sp,
+                                      max_tokens=max_len - prompt_len, seed=0))
+
+    def take_in(out) -> None:
+        for r, sampled in zip(out.requests, out.samples):
+            if sampled:
+                r.num_output_placeholders -= 1
+                r.output_token_ids.append(rng.randrange(32, 49152))
+
+    while not all(r.num_output_tokens for r in scheduler.running) or scheduler.num_waiting:
+        take_in(scheduler.schedule())
+    for _ in range(warmup):
+        take_in(scheduler.schedule())
+    seconds = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        out = scheduler.schedule()
+        seconds.append(time.perf_counter() - t)
+        if out.num_new_tokens != [1] * num_requests:
+            raise RuntimeError(f"a timed schedule was not one decode token for each of {num_requests} requests")
+        take_in(out)
+    return seconds
+
+
 def summarize(timings: list[StepTiming], device_only: list[float]) -> dict[str, float]:
     """Median milliseconds per step of each phase, of the host total, of the whole step, of the same
     batch on the device alone, and the exposed host overhead (step - device only)."""
@@ -219,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
                 timings, device_only = measure(engine, n, args.steps, args.warmup, args.prompt_len, kind)
                 rows.append({"mode": mode, "outputs": name, "num_requests": n, **summarize(timings, device_only),
                              "steps": [asdict(t) for t in timings]})
+    alone = {n: 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size))
+             for n in args.batch_sizes}
     print(f"median ms per decode step ({args.steps} steps each; {UNDER_LOAD})")
     print_table(["mode", "outputs", "running", *PHASES, "host total", "step", "device only", "exposed"],
                 [[r["mode"], r["outputs"], r["num_requests"], *(r[p] for p in PHASES), r["host"], r["step"],
@@ -229,8 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"host overhead at {top['num_requests']} running requests (async, LLM.generate's final-only outputs): "
           f"{top['host']:.3f} ms of host work per step, {top['exposed']:.3f} ms exposed "
           f"(target <= {TARGET_MS} ms host work: {verdict})")
+    print("scheduler alone (no engine, no device), median ms per decode step: "
+          + ", ".join(f"{n} running {ms:.3f}" for n, ms in alone.items()))
     plot(rows)
-    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows}
+    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows,
+              "scheduler_alone_ms": alone}
     write_json("overhead", result)
     return result
 

@@ -439,11 +439,12 @@ class LLMEngine:
         # Rows that sample: requests whose step reached their last known token, then the forks.
         rows = [(i, req) for i, (req, samples) in enumerate(zip(out.requests, out.samples)) if samples]
         rows += [(R + j, child) for j, (_, child) in enumerate(out.forks)]
+        beam_of = self._beam_of
         for i, req in rows:
             req.num_output_placeholders -= 1
             if req.is_finished:             # aborted (or stopped) while this step ran: its token is dropped
                 continue
-            search = self._beam_of.get(req.request_id)
+            search = beam_of.get(req.request_id) if beam_of else None
             if search is not None:
                 k2 = 2 * search.params.beam_width
                 search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(), sampled.top_logprobs[i, :k2].tolist())
@@ -509,14 +510,15 @@ class LLMEngine:
         token by token as it would have been. A finished sample's detokenizer is flushed, so its
         text ends as the full decode does (even mid-character)."""
         sp = req.sampling_params
-        detok = self._detokenizers[req.request_id]
         ids = req.output_token_ids
         if sp.stop or sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+            detok = self._detokenizers[req.request_id]
             before = len(detok.text)
             detok.step(ids[-1:])
         elif self._stop_status(req, "", 0) is None:     # its stops do not read the text
             return None
         else:
+            detok = self._detokenizers[req.request_id]
             for t in ids[:-1]:
                 detok.step([t])
             before = len(detok.text)

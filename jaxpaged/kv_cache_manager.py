@@ -290,14 +290,15 @@ class KVCacheManager:
         All or nothing: returns False, allocating nothing, if the pool is short.
         """
         block_ids = request.block_ids
-        total = request.num_computed_tokens + num_new_tokens
-        missing = max(0, self.blocks_needed(total) - len(block_ids))
+        computed = request.num_computed_tokens
+        total = computed + num_new_tokens
         # Copy on write: only a partly filled last block can be both shared and written.
-        i = request.num_computed_tokens // self.block_size
+        i = computed // self.block_size
+        if total <= len(block_ids) * self.block_size and (num_new_tokens == 0 or not self.pool.is_shared(block_ids[i])):
+            return True                    # the common decode step: room left in a private last block
+        missing = max(0, self.blocks_needed(total) - len(block_ids))
         cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
         needed = missing + (cow is not None)
-        if needed == 0:                    # the common decode step: room left in a private last block
-            return True
         if needed > self.pool.num_free_blocks:
             return False
         if cow is not None:

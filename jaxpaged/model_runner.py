@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,9 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
     return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
+_num_tokens = operator.attrgetter("num_tokens")
+
+
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
     """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
     a = np.full(size, fill, values.dtype)
@@ -254,7 +258,7 @@ class SequenceSlots:
         return s
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
-        return np.fromiter((self.slot(r) for r in reqs), np.int32, len(reqs))
+        return np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
 
     def write_table(self, s: int, block_ids: list[int]) -> None:
         n, old = len(block_ids), self.num_blocks[s]
@@ -407,7 +411,7 @@ class ModelRunner:
         """``input_ids`` of the step (the host's part of each row's span), and ``prev_index``: the
         row's last token, if its id is still on the device, is the previous step's sample at that row."""
         R = len(reqs)
-        known = np.fromiter((r.num_tokens for r in reqs), np.int32, R)
+        known = np.fromiter(map(_num_tokens, reqs), np.int32, R)
         host_n = np.clip(known - starts, 0, n)
         input_ids = np.zeros(T_b, np.int32)
         rows = np.flatnonzero(host_n)

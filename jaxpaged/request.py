@@ -40,6 +40,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
+    # Members are singletons: hashing by identity (in C) makes the per-token status lookups cheap.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in _FINISH_REASONS

@@ -199,21 +199,21 @@ class Scheduler:
 
         # Running requests first, in admission order. (The hot path of a decode step: kept lean.)
         running, max_len = self.running, self.max_model_len
+        allocate, add = kv.allocate_slots, self._add_to_output
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            i += 1
             computed = request.num_computed_tokens
             known = request.num_tokens_with_placeholders
             num_new = min(known - computed, budget, max_len - computed)
             # Nothing known to compute until the engine appends a token, or its last token is in flight.
             if num_new <= 0 or request.all_outputs_sampled:
-                i += 1
                 continue
-            if not kv.allocate_slots(request, num_new) and not self._preempt_for(request, num_new, out):
+            if not allocate(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
-            self._add_to_output(out, request, num_new, forked, known)
+            add(out, request, num_new, forked, known)
             budget -= num_new
-            i += 1
 
         # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
         # for the rest of its group has nothing to compute yet and is passed over.
@@ -315,13 +315,15 @@ class Scheduler:
         row = len(out.requests)
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
-        out.start_positions.append(request.num_computed_tokens)
-        request.num_computed_tokens += num_new
-        samples = request.num_computed_tokens >= known
+        start = request.num_computed_tokens
+        out.start_positions.append(start)
+        request.num_computed_tokens = start + num_new
+        samples = start + num_new >= known
         out.samples.append(samples)
-        if samples:
-            request.num_output_placeholders += 1
-        if request.pending_forks and samples:
+        if not samples:
+            return
+        request.num_output_placeholders += 1
+        if request.pending_forks:
             # The prompt is computed: its other samples share its blocks from now on, and
             # draw their first tokens from this row's logits.
             for child in request.pending_forks:

@@ -80,6 +80,28 @@ def test_memory_counts_a_shared_block_once(tiny):
     assert shared_seen
 
 
+def test_scheduler_alone_times_pure_decode_steps():
+    seconds = overhead.scheduler_alone(num_requests=24, steps=5, block_size=4, prompt_len=40, warmup=2)
+    assert len(seconds) == 5 and min(seconds) > 0
+
+
+def test_scheduler_alone_rejects_a_step_that_is_not_pure_decode(monkeypatch):
+    """The check behind the figure can fail: a scheduler that computes two tokens for a request is caught."""
+    from jaxpaged.scheduler import Scheduler
+
+    real = Scheduler.schedule
+
+    def skewed(self):
+        out = real(self)
+        if out.num_new_tokens and len(out.num_new_tokens) == 24:
+            out.num_new_tokens[0] += 1
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", skewed)
+    with pytest.raises(RuntimeError, match="not one decode token"):
+        overhead.scheduler_alone(num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1)
+
+
 def test_overhead_phases_partition_the_step(tiny):
     engine = _engine(tiny[0])
     timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
