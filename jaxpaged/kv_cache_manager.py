@@ -294,10 +294,10 @@ class KVCacheManager:
         total = computed + num_new_tokens
         # Copy on write: only a partly filled last block can be both shared and written.
         i = computed // self.block_size
-        if total <= len(block_ids) * self.block_size and (num_new_tokens == 0 or not self.pool.is_shared(block_ids[i])):
+        cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
+        if cow is None and total <= len(block_ids) * self.block_size:
             return True                    # the common decode step: room left in a private last block
         missing = max(0, self.blocks_needed(total) - len(block_ids))
-        cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
         needed = missing + (cow is not None)
         if needed > self.pool.num_free_blocks:
             return False
