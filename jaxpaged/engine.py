@@ -461,6 +461,12 @@ class LLMEngine:
                 req.output_top_logprobs.append(self._token_logprobs(
                     token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
                     sampled.top_logprobs[i, :sp.logprobs]))
+            # The common decode step of LLM.generate (no text read before the end, no output yet):
+            # only a stop string, EOS, a stop id or the length limit can end a sample, and none can here.
+            if (sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.stop
+                    and len(req.output_token_ids) < req.max_tokens
+                    and token != req.eos_token_id and token not in sp.stop_token_ids):
+                continue
             status = self._check_stop(req)
             if status is not None:
                 req.finished_time = now

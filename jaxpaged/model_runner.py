@@ -203,6 +203,8 @@ class SequenceSlots:
 
     def __init__(self, max_blocks_per_seq: int, capacity: int = 64) -> None:
         self._slot: dict[str, int] = {}
+        self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
+        """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
         self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
         self.block_tables = np.zeros((capacity, max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(capacity, np.int32)
@@ -220,6 +222,8 @@ class SequenceSlots:
         """Its sampled tokens' logprobs are computed (``SamplingParams.needs_logprobs``)."""
         self.needs_host_lists = np.zeros(capacity, bool)
         """Penalties, logit bias or min_tokens: per-step lists built from the request itself."""
+        self.prompt_logprobs = np.zeros(capacity, bool)
+        """The sequence scores its prompt positions (``SamplingParams.prompt_logprobs``)."""
         self.last_sample_row = np.full(capacity, -1, np.int32)
         """The sampled row of the sequence in the last launched step that sampled it."""
 
@@ -253,12 +257,18 @@ class SequenceSlots:
         self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
         self.chosen_logprobs[s] = sp.needs_logprobs
         self.needs_host_lists[s] = sp.needs_penalties or bool(sp.logit_bias) or sp.min_tokens > 0
+        self.prompt_logprobs[s] = r.prompt_logprobs is not None
         self.last_sample_row[s] = -1
         self.write_table(s, r.block_ids)
         return s
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
-        return np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
+        """The requests' slots. A steady decode batch repeats the previous step's requests: that
+        list compares equal by identity in C and its slots are reused (a slot lives as long as its
+        request, so an equal list has the same slots)."""
+        if reqs != self._last[0]:
+            self._last = reqs, np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
+        return self._last[1]
 
     def write_table(self, s: int, block_ids: list[int]) -> None:
         n, old = len(block_ids), self.num_blocks[s]
@@ -351,7 +361,7 @@ class ModelRunner:
         children = [c for _, c in out.forks]
         R = len(reqs)
         slots = slots_state.slots(reqs)
-        fork_slots = slots_state.slots(children)
+        fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
         n = np.asarray(out.num_new_tokens, np.int32)
         starts = np.asarray(out.start_positions, np.int32)
         T = int(n.sum())
@@ -385,7 +395,8 @@ class ModelRunner:
         md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
                                tile_len=tile_len, tile_size=tile)
-        prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(reqs, starts, n, qsl)
+        prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(
+            reqs, np.flatnonzero(slots_state.prompt_logprobs[slots]).tolist(), starts, n, qsl)
         NP = len(prompt_idx)
         NP_b = 0 if NP == 0 else _bucket(NP, 1 << 30, floor=MIN_PROMPT_POSITIONS)
         # Sampled rows: one per request, then one per fork (sampled from its parent row's logits).
@@ -434,27 +445,27 @@ class ModelRunner:
         return input_ids, prev_index
 
     @staticmethod
-    def _prompt_logprob_positions(reqs: list[Request], starts: np.ndarray, n: np.ndarray, qsl: np.ndarray
-                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Flat token indices, next prompt tokens and rows of the prompt positions still to score.
+    def _prompt_logprob_positions(reqs: list[Request], rows: list[int], starts: np.ndarray, n: np.ndarray,
+                                  qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flat token indices, next prompt tokens and rows of the prompt positions still to score,
+        among ``rows`` (the rows of requests that score their prompt).
 
         Position ``p`` scores ``prompt[p + 1]``. Positions already scored (``len(prompt_logprobs) - 1``
         of them) are skipped, so a recomputed (preempted) prompt is not scored twice.
         """
-        idx, targets, rows = [], [], []
-        for i, r in enumerate(reqs):
-            if r.prompt_logprobs is None:
-                continue
+        idx, targets, out_rows = [], [], []
+        for i in rows:
+            r = reqs[i]
             s = int(starts[i])
             lo, hi = max(s, len(r.prompt_logprobs) - 1), min(s + int(n[i]), r.num_prompt_tokens - 1)
             if lo >= hi:
                 continue
             idx.append(np.arange(lo, hi, dtype=np.int32) - s + qsl[i])
             targets.append(np.asarray(r.prompt_token_ids[lo + 1:hi + 1], np.int32))
-            rows.append(np.full(hi - lo, i, np.int32))
+            out_rows.append(np.full(hi - lo, i, np.int32))
         if not idx:
             return (np.zeros(0, np.int32),) * 3
-        return np.concatenate(idx), np.concatenate(targets), np.concatenate(rows)
+        return np.concatenate(idx), np.concatenate(targets), np.concatenate(out_rows)
 
     def _sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
                           prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
