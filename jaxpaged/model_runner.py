@@ -265,9 +265,9 @@ class SequenceSlots:
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The requests' slots. A steady decode batch repeats the previous step's requests: that
         list compares equal by identity in C and its slots are reused (a slot lives as long as its
-        request, so an equal list has the same slots)."""
+        request, so an equal list has the same slots). The list is copied: a caller may reuse it."""
         if reqs != self._last[0]:
-            self._last = reqs, np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
+            self._last = list(reqs), np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
         return self._last[1]
 
     def write_table(self, s: int, block_ids: list[int]) -> None:
