@@ -118,8 +118,8 @@ class StepOutput:
 
 def _step(module, param_tree, param_leaves, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
           prev_tokens=None, num_logits=None):
-    # The params arrive as a flat tuple (``param_tree`` static): a jit call flattens a nested dict
-    # of SmolLM2's 183 arrays in ~0.3 ms, a tuple almost for free.
+    # The params arrive as a flat tuple (``param_tree`` static): flattening SmolLM2's nested dict of
+    # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does.
     params = jax.tree_util.tree_unflatten(param_tree, param_leaves)
     if prev_index is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -148,13 +148,13 @@ def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, 
     under tensor parallelism) so engines with the same model share compiled programs. ``params``
     is the param tree, or a ``FlatParams`` of it (what the runner passes each step).
     """
-    flat = params if isinstance(params, FlatParams) else FlatParams.of(params)
+    flat = FlatParams.of(params)
     return _jit_step(getattr(module, "mesh", None))(module, flat.tree, flat.leaves, kv_pages, input_ids, positions,
                                                      md, logits_indices, prev_index, prev_tokens, num_logits)
 
 
 def _lower_step(module, params, *args):
-    flat = params if isinstance(params, FlatParams) else FlatParams.of(params)
+    flat = FlatParams.of(params)
     return _jit_step(getattr(module, "mesh", None)).lower(module, flat.tree, flat.leaves, *args)
 
 
@@ -170,6 +170,9 @@ class FlatParams:
 
     @classmethod
     def of(cls, params) -> "FlatParams":
+        """``params`` (a param tree, or already a ``FlatParams``) flattened."""
+        if isinstance(params, cls):
+            return params
         leaves, tree = jax.tree_util.tree_flatten(params)
         return cls(tuple(leaves), tree)
 
