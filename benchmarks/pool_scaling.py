@@ -49,7 +49,7 @@ def decode_batch(batch: int, context: int, block_size: int) -> SchedulerOutput:
         r.block_ids = list(range(1 + i * per_req, 1 + (i + 1) * per_req))
         reqs.append(r)
     return SchedulerOutput(requests=reqs, num_new_tokens=[1] * batch, start_positions=[context - 1] * batch,
-                           preempted=[], samples=[True] * batch)
+                           preempted=[], samples=[True] * batch, num_host_tokens=[1] * batch)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ beams, forking the sequences that continue more than once and freeing those that
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -437,9 +438,10 @@ class LLMEngine:
         searches: dict[str, _BeamSearch] = {}
         R = len(out.requests)
         # Rows that sample: requests whose step reached their last known token, then the forks.
-        rows = [(i, req) for i, (req, samples) in enumerate(zip(out.requests, out.samples)) if samples]
-        rows += [(R + j, child) for j, (_, child) in enumerate(out.forks)]
-        beam_of = self._beam_of
+        rows = itertools.compress(enumerate(out.requests), out.samples)
+        if out.forks:
+            rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
+        beam_of, final_only = self._beam_of, RequestOutputKind.FINAL_ONLY
         for i, req in rows:
             req.num_output_placeholders -= 1
             if req.is_finished:             # aborted (or stopped) while this step ran: its token is dropped
@@ -451,10 +453,11 @@ class LLMEngine:
                 req.waiting_for_group = True
                 searches[search.root.request_id] = search
                 continue
-            if not req.output_token_ids:
+            ids = req.output_token_ids
+            if not ids:
                 req.first_token_time = now
             token, sp = tokens[i], req.sampling_params
-            req.output_token_ids.append(token)
+            ids.append(token)
             if logprobs and sp.needs_logprobs:
                 req.output_logprobs.append(logprobs[i])
             if req.output_top_logprobs is not None:
@@ -463,8 +466,7 @@ class LLMEngine:
                     sampled.top_logprobs[i, :sp.logprobs]))
             # The common decode step of LLM.generate (no text read before the end, no output yet):
             # only a stop string, EOS, a stop id or the length limit can end a sample, and none can here.
-            if (sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.stop
-                    and len(req.output_token_ids) < req.max_tokens
+            if (sp.output_kind is final_only and not sp.stop and len(ids) < req.max_tokens
                     and token != req.eos_token_id and token not in sp.stop_token_ids):
                 continue
             status = self._check_stop(req)

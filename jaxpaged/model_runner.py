@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,9 +190,6 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
     return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
-_num_tokens = operator.attrgetter("num_tokens")
-
-
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
     """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
     a = np.full(size, fill, values.dtype)
@@ -351,6 +347,8 @@ class ModelRunner:
         self._prev_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else
                              parallel.zeros((self.max_rows,), jnp.int32, parallel.replicated(mesh)))
         self.program_keys: set[tuple] = set()
+        self._sampling_cache: tuple | None = None
+        """(slots, S_b, tensors, flags) of the last batch whose sampling inputs can be reused."""
 
     @property
     def num_compiled_programs(self) -> int:
@@ -405,7 +403,8 @@ class ModelRunner:
         row_of_tok = np.repeat(np.arange(R), n)
         positions = np.zeros(T_b, np.int32)
         positions[:T] = np.arange(T) - qsl[row_of_tok] + starts[row_of_tok]
-        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, qsl, T_b)
+        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, np.asarray(out.num_host_tokens, np.int32),
+                                                qsl, T_b)
         block_tables = np.zeros((R_b, W_b), np.int32)
         block_tables[:R] = slots_state.block_tables[slots, :W_b]
         slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
@@ -437,8 +436,8 @@ class ModelRunner:
         logits_indices[S_b:S_b + NP] = prompt_idx
         targets = _padded(prompt_targets, NP_b, 0)
         prompt_widths = [reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())]
-        sampling, flags = self._sampling_tensors(reqs + children, np.concatenate([slots, fork_slots]),
-                                                 np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_widths)
+        sampling, flags = self._sampling_inputs(reqs + children, np.concatenate([slots, fork_slots]) if children else slots,
+                                                np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_widths)
         samples = np.asarray(out.samples, bool)
         slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
@@ -446,12 +445,10 @@ class ModelRunner:
                          flags)
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
-                   qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
-        """``input_ids`` of the step (the host's part of each row's span), and ``prev_index``: the
-        row's last token, if its id is still on the device, is the previous step's sample at that row."""
-        R = len(reqs)
-        known = np.fromiter(map(_num_tokens, reqs), np.int32, R)
-        host_n = np.clip(known - starts, 0, n)
+                   host_n: np.ndarray, qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
+        """``input_ids`` of the step (the host's part of each row's span, its first ``host_n``
+        tokens), and ``prev_index``: the row's last token, if its id is still on the device, is the
+        previous step's sample at that row."""
         input_ids = np.zeros(T_b, np.int32)
         rows = np.flatnonzero(host_n)
         H = int(host_n.sum())
@@ -495,6 +492,19 @@ class ModelRunner:
             return (np.zeros(0, np.int32),) * 3
         return np.concatenate(idx), np.concatenate(targets), np.concatenate(out_rows)
 
+    def _sampling_inputs(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
+                         prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
+        """``_sampling_tensors``, or for a batch of the same sequences as the previous one (the same
+        slot array: ``SequenceSlots.slots`` reuses it) whose parameters are fixed (no per-step
+        penalty, bias or min_tokens lists) the previous tensors with the new positions."""
+        cached = self._sampling_cache
+        if cached is not None and cached[0] is slots and cached[1] == S_b and not prompt_widths:
+            return dataclasses.replace(cached[2], position=_padded(positions, S_b, 0)), cached[3]
+        sampling, flags = self._sampling_tensors(seqs, slots, positions, S_b, prompt_widths)
+        fixed = not prompt_widths and not self.slots.needs_host_lists[slots].any()
+        self._sampling_cache = (slots, S_b, sampling, flags) if fixed else None
+        return sampling, flags
+
     def _sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
                           prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
         """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
@@ -537,7 +547,7 @@ class ModelRunner:
             frequency_penalty=_padded(st.frequency[slots], S_b, 0.0),
             repetition_penalty=_padded(st.repetition[slots], S_b, 1.0),
             seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
-            position=_padded(positions.astype(np.int32), S_b, 0),
+            position=_padded(positions, S_b, 0),
             penalty_rows=_padded(cat(pen_rows, np.int32), Np, S_b),
             penalty_tokens=_padded(cat(pen_tokens, np.int32), Np, 0),
             penalty_counts=_padded(cat(pen_counts, f32), Np, 0.0),
@@ -580,11 +590,11 @@ class ModelRunner:
     @staticmethod
     def collect(step: LaunchedStep) -> StepOutput:
         """Wait for a launched step; its samples (for the requests, then the forks) on the host."""
-        sampled, prompt = jax.device_get((step.sampled, step.prompt))
+        # np.asarray waits for each array and reads it (on CPU a zero-copy view); jax.device_get's
+        # asynchronous-copy machinery cost ~20 us per array.
         R, P = step.num_rows, len(step.prompt_rows)
-        sampled = jax.tree_util.tree_map(lambda a: a[:R], sampled)
-        if prompt is not None:
-            prompt = jax.tree_util.tree_map(lambda a: a[:P], prompt)
+        sampled = jax.tree_util.tree_map(lambda a: np.asarray(a)[:R], step.sampled)
+        prompt = None if step.prompt is None else jax.tree_util.tree_map(lambda a: np.asarray(a)[:P], step.prompt)
         return StepOutput(sampled, prompt, step.prompt_rows)
 
     def execute(self, out: SchedulerOutput) -> StepOutput | None:

@@ -45,6 +45,9 @@ class SchedulerOutput:
     preempted: list[Request]
     samples: list[bool] = field(default_factory=list)
     """Whether ``requests[i]`` samples a token this step (its step reaches its last known token)."""
+    num_host_tokens: list[int] = field(default_factory=list)
+    """How many of ``requests[i]``'s new tokens have their ids on the host; the rest (at most the
+    last one) is a token sampled by the step in flight, read on the device."""
     block_table_updates: list[Request] = field(default_factory=list)
     """Requests whose block tables changed since the previous schedule (the runner's copies follow)."""
     finished_request_ids: list[str] = field(default_factory=list)
@@ -197,15 +200,34 @@ class Scheduler:
         kv = self.kv_cache_manager
         forked: list[Request] = []
 
-        # Running requests first, in admission order. (The hot path of a decode step: kept lean.)
-        running, max_len = self.running, self.max_model_len
-        allocate, add = kv.allocate_slots, self._add_to_output
+        # Running requests first, in admission order. The hot path of a decode step, so the common
+        # case is inlined: one token to compute, room in a private last block, nothing to fork.
+        running, max_len, block_size = self.running, self.max_model_len, kv.block_size
+        allocate, add, is_shared = kv.allocate_slots, self._add_to_output, kv.pool.is_shared
+        rows, new_tokens, starts, samples = out.requests, out.num_new_tokens, out.start_positions, out.samples
+        host_tokens = out.num_host_tokens
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
             computed = request.num_computed_tokens
-            known = request.num_tokens_with_placeholders
+            in_flight = request.num_output_placeholders
+            num_outputs = len(request.output_token_ids) + in_flight
+            known = len(request.prompt_token_ids) + num_outputs
+            block_ids = request.block_ids
+            if (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
+                    and computed < len(block_ids) * block_size and not is_shared(block_ids[computed // block_size])):
+                # What allocate_slots and _add_to_output do here (the token is within max_model_len:
+                # known < prompt + max_tokens).
+                request.num_computed_tokens = computed + 1
+                request.num_output_placeholders = in_flight + 1
+                rows.append(request)
+                new_tokens.append(1)
+                starts.append(computed)
+                samples.append(True)
+                host_tokens.append(0 if in_flight else 1)     # the one token is the last known one
+                budget -= 1
+                continue
             num_new = min(known - computed, budget, max_len - computed)
             # Nothing known to compute until the engine appends a token, or its last token is in flight.
             if num_new <= 0 or request.all_outputs_sampled:
@@ -217,9 +239,9 @@ class Scheduler:
 
         # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
         # for the rest of its group has nothing to compute yet and is passed over.
-        reserved = self._num_reserved()
         j = 0
         had_to_preempt = bool(out.preempted)
+        reserved = self._num_reserved() if self.waiting and not had_to_preempt else 0
         while not had_to_preempt and j < len(self.waiting) and budget > 0:
             request = self.waiting[j]
             if request.waiting_for_group or request.num_output_placeholders:
@@ -317,6 +339,7 @@ class Scheduler:
         out.num_new_tokens.append(num_new)
         start = request.num_computed_tokens
         out.start_positions.append(start)
+        out.num_host_tokens.append(min(max(request.num_tokens - start, 0), num_new))
         request.num_computed_tokens = start + num_new
         samples = start + num_new >= known
         out.samples.append(samples)
