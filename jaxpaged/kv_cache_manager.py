@@ -429,8 +429,12 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         if num_full <= done:
             return
-        hashes = self._block_hashes(request, num_full)
+        # The digests cover at least the published blocks; a block filling now extends them by one.
+        hashes = self._hashes.setdefault(request.request_id, [])
+        block_ids = request.block_ids
         for i in range(done, num_full):
-            self.pool.cache(request.block_ids[i], hashes[i], self._block_tokens(request, i),
-                            self._parent_key(request, request.block_ids, i))
+            tokens = self._block_tokens(request, i)
+            if i == len(hashes):
+                hashes.append(self._hash_fn(hashes[-1] if i else root_hash(request.cache_salt), tokens))
+            self.pool.cache(block_ids[i], hashes[i], tokens, self._parent_key(request, block_ids, i))
         self._num_published[request.request_id] = num_full

@@ -216,9 +216,10 @@ class Scheduler:
             known = len(request.prompt_token_ids) + num_outputs
             block_ids = request.block_ids
             if (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
-                    and computed < len(block_ids) * block_size and not is_shared(block_ids[computed // block_size])):
-                # What allocate_slots and _add_to_output do here (the token is within max_model_len:
-                # known < prompt + max_tokens).
+                    and (not is_shared(block_ids[computed // block_size]) if computed < len(block_ids) * block_size
+                         else allocate(request, 1))):
+                # What _add_to_output does here (and allocate_slots, but for a new block: nothing for
+                # room in a private block). The token is within max_model_len: known < prompt + max_tokens.
                 request.num_computed_tokens = computed + 1
                 request.num_output_placeholders = in_flight + 1
                 rows.append(request)
