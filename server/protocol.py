@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_N = 128
 """OpenAI's own limit on ``n`` (also applied to ``best_of``)."""
@@ -81,7 +81,10 @@ class SamplingRequest(RequestModel):
         ``resolved`` (values the endpoint derived, passed even when None); ``ValueError`` if invalid."""
         kwargs = {name: getattr(self, name) for name in _PASS_THROUGH
                   if name in self.model_fields_set and getattr(self, name) is not None}
-        return SamplingParams(**kwargs, **resolved)
+        # A non-streamed response reads only the final output, so the engine builds none per step
+        # (at 256 running requests those cost 4-6 ms of host work per step).
+        kind = RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(**kwargs, output_kind=kind, **resolved)
 
 
 class CompletionRequest(SamplingRequest):

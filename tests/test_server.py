@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from jaxpaged import EngineArgs, LLMEngine, SamplingParams
-from jaxpaged.async_engine import AsyncLLMEngine
+from jaxpaged.async_engine import AsyncLLMEngine, RequestStream
 from server import build_app
 from test_async_engine import GatedEngine
 from tiny_models import hf_greedy
@@ -195,6 +195,27 @@ def test_n_samples_streamed_and_not(client, engine):
     for j in range(2):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == j)
         assert text == full_chat.choices[j].message.content
+
+
+def test_non_streamed_request_gets_only_its_final_output(client, monkeypatch):
+    """The engine builds no per-step outputs for a non-streamed request (FINAL_ONLY), while a
+    streamed one gets one per step."""
+    puts: dict[str, int] = {}
+    original = RequestStream._put
+
+    def counting(stream, output):
+        puts[stream.request_id] = puts.get(stream.request_id, 0) + 1
+        original(stream, output)
+
+    monkeypatch.setattr(RequestStream, "_put", counting)
+    kw = dict(model=MODEL, prompt="Paged attention", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert full.usage.completion_tokens == 8
+    assert list(puts.values()) == [1]
+    puts.clear()
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == full.choices[0].text
+    assert list(puts.values()) == [8]
 
 
 def test_stop_string_streamed_and_not(client):
