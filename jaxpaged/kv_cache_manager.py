@@ -378,7 +378,8 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.block_ids or request.host_block_ids:
             return 0
-        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_full = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, num_full)[:num_full]
         hits = []
         for i, h in enumerate(hashes):
             b = self.pool.lookup(h, self._block_tokens(request, i), self._parent_key(request, hits, i))
@@ -414,13 +415,14 @@ class KVCacheManager:
         return request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
 
     def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
-        """The request's chained block digests, extended (never recomputed) up to ``num_full``."""
+        """The request's chained block digests, extended (never recomputed) to at least ``num_full``;
+        the request's own list (it may hold more), not a copy."""
         hashes = self._hashes.setdefault(request.request_id, [])
         parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         for i in range(len(hashes), num_full):
             parent = self._hash_fn(parent, self._block_tokens(request, i))
             hashes.append(parent)
-        return hashes[:num_full]
+        return hashes
 
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every block that is full once this step's tokens are written, as far as their token
@@ -429,12 +431,9 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         if num_full <= done:
             return
-        # The digests cover at least the published blocks; a block filling now extends them by one.
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = self._block_hashes(request, num_full)
         block_ids = request.block_ids
         for i in range(done, num_full):
-            tokens = self._block_tokens(request, i)
-            if i == len(hashes):
-                hashes.append(self._hash_fn(hashes[-1] if i else root_hash(request.cache_salt), tokens))
-            self.pool.cache(block_ids[i], hashes[i], tokens, self._parent_key(request, block_ids, i))
+            self.pool.cache(block_ids[i], hashes[i], self._block_tokens(request, i),
+                            self._parent_key(request, block_ids, i))
         self._num_published[request.request_id] = num_full

@@ -218,8 +218,8 @@ class Scheduler:
             if (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
                     and (not is_shared(block_ids[computed // block_size]) if computed < len(block_ids) * block_size
                          else allocate(request, 1))):
-                # What _add_to_output does here (and allocate_slots, but for a new block: nothing for
-                # room in a private block). The token is within max_model_len: known < prompt + max_tokens.
+                # _add_to_output for one token that samples, with no forks (the blocks are in place:
+                # room in a private block, or the new one). Within max_model_len: known < prompt + max_tokens.
                 request.num_computed_tokens = computed + 1
                 request.num_output_placeholders = in_flight + 1
                 rows.append(request)

@@ -3,8 +3,9 @@
 A completion with several prompts is one engine request per prompt; choice ``i * n + j`` is
 prompt ``i``'s ``j``-th sample. A streamed request's engine outputs carry the whole text so far,
 so streamed deltas are what each output adds to what was already sent; concatenated they equal the
-non-streamed text, for which the engine hands over only the final output. Every engine request is aborted (its KV blocks freed) as soon as its
-HTTP request goes away, and logged and counted in the metrics when it ends.
+non-streamed text, for which the engine hands over only the final output. Every engine request is
+aborted (its KV blocks freed) as soon as its HTTP request goes away, and logged and counted in the
+metrics when it ends.
 """
 
 from __future__ import annotations
