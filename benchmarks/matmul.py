@@ -2,7 +2,9 @@
 
 For each weight shape of SmolLM2-135M (fused qkv 576x960, o 576x576, fused gate/up 576x3072,
 down 1536x576, LM head 576x49152) and each M, times one jitted call of XLA float32, XLA bfloat16,
-native float32 and native bfloat16 (and torch bfloat16 with ``--torch``) in this one process,
+native float32, native float32 on the quantized weight (4-bit codes, as a Q4_1 GGUF's; the weight
+is a random one quantized that way, so every variant multiplies the same numbers) and native
+bfloat16 (and torch bfloat16 with ``--torch``) in this one process,
 alternating the variants call by call, and reports the median ms, GFLOP/s and GB/s of weights
 (weight bytes / time: the streaming rate that bounds small M); the JSON also has the fastest call. ``--cold`` cycles through enough
 copies of each weight (>= 96 MiB) that the weights come from memory, not the 32 MiB L3, as they do
@@ -28,9 +30,15 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.cpu_matmul import matmul, pack_weight
+    from pallas_kernels.cpu_matmul import QUANT_BLOCK, matmul, pack_quantized, pack_weight
 
+    # Q4_1 of a random weight: per block of 32 k, codes 0..15 between the block's minimum and maximum.
     w = rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)
+    blocks = w.reshape(k // QUANT_BLOCK, QUANT_BLOCK, n)
+    low = blocks.min(axis=1).astype(np.float16).astype(np.float32)
+    scale = ((blocks.max(axis=1) - low) / 15).astype(np.float16).astype(np.float32)
+    codes = np.clip(np.rint((blocks - low[:, None]) / np.maximum(scale[:, None], 1e-30)), 0, 15).reshape(k, n)
+    w = (codes * np.repeat(scale, QUANT_BLOCK, 0) + np.repeat(low, QUANT_BLOCK, 0)).astype(np.float32)
     x = rng.standard_normal((m, k), dtype=np.float32)
     xla = jax.jit(lambda a, b: a @ b)
     native = jax.jit(matmul, static_argnums=2)
@@ -41,6 +49,9 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
         packed = [jnp.asarray(pack_weight(w, dtype)) + 0 for _ in range(copies)]
         out[f"xla {tag}"] = (lambda i, xd=xd, ws=plain: xla(xd, ws[i]), plain[0].nbytes)
         out[f"native {tag}"] = (lambda i, xd=xd, ws=packed: native(xd, ws[i], n), plain[0].nbytes)
+        if tag == "f32":
+            quant = [jnp.asarray(pack_quantized(codes, scale, low)) + 0 for _ in range(copies)]
+            out["native q4 f32"] = (lambda i, xd=xd, ws=quant: native(xd, ws[i], n), quant[0].nbytes)
     if with_torch:
         import torch
 
@@ -84,6 +95,8 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
     for k, n in shapes:
         copies = max(1, -(-COLD_BYTES // (k * n * 2))) if cold else 1
         for m in ms:
+            if k % 32:
+                raise ValueError(f"K={k}: the quantized variant needs K a multiple of 32")
             variants = _variants(k, n, m, copies, with_torch, rng)
             times = _time_alternating(variants, iters, copies)
             row = {"m": m, "k": k, "n": n, "copies": copies}
@@ -98,15 +111,18 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
 
 
 def _print_row(row: dict, header: bool, with_torch: bool) -> None:
-    cols = ["xla f32", "native f32", "xla bf16", "native bf16"] + (["torch bf16"] if with_torch else [])
+    cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16"] + (["torch bf16"] if with_torch else [])
     if header:
-        print(f"{'M x K x N':>18}" + "".join(f"{c + ' ms':>15}" for c in cols)
-              + f"{'f32 x':>7}{'bf16 x':>7}{'nat f32 GF/s':>13}{'GB/s':>6}{'nat bf16 GF/s':>14}{'GB/s':>6}")
+        print(f"{'M x K x N':>18}" + "".join(f"{c + ' ms':>17}" for c in cols)
+              + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"
+              + f"{'nat bf16 GF/s':>14}{'GB/s':>6}")
     shape = f"{row['m']} x {row['k']} x {row['n']}"
     f32x = row["xla f32"]["ms"] / row["native f32"]["ms"]
+    q4x = row["native f32"]["ms"] / row["native q4 f32"]["ms"]
     bf16x = row["xla bf16"]["ms"] / row["native bf16"]["ms"]
-    print(f"{shape:>18}" + "".join(f"{row[c]['ms']:>15.3f}" for c in cols)
-          + f"{f32x:>7.2f}{bf16x:>7.2f}{row['native f32']['gflops']:>13.0f}{row['native f32']['weight_gbs']:>6.1f}"
+    print(f"{shape:>18}" + "".join(f"{row[c]['ms']:>17.3f}" for c in cols)
+          + f"{f32x:>7.2f}{q4x:>6.2f}{bf16x:>7.2f}{row['native f32']['gflops']:>13.0f}"
+          + f"{row['native f32']['weight_gbs']:>6.1f}{row['native q4 f32']['weight_gbs']:>8.1f}"
           + f"{row['native bf16']['gflops']:>14.0f}{row['native bf16']['weight_gbs']:>6.1f}", flush=True)
 
 

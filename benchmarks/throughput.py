@@ -14,6 +14,7 @@ is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -25,6 +26,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) -> dict:
+    import jax
+    import numpy as np
+
     from jaxpaged import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -39,7 +43,9 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
         runs.append(time.perf_counter() - t)
         assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
     e = llm.engine
-    return {"system": f"jaxpaged ({engine_args['dtype']})", "load_s": load_s, "warmup_s": e.warmup_time,
+    quantized = sum(a.dtype == np.uint8 for a in jax.tree_util.tree_leaves(e.runner.model.params))
+    name = f"jaxpaged ({engine_args['dtype']}{', q-weights' if quantized else ''})"
+    return {"system": name, "quantized_weights": quantized, "load_s": load_s, "warmup_s": e.warmup_time,
             "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
             "preemptions": e.scheduler.num_preemptions}
 
@@ -85,7 +91,7 @@ def run_vllm(reqs: list[WorkloadRequest], args, dtype: str) -> dict:
     res = vllm_peer.run(reqs, args.model, dtype, args.rounds, args.max_num_seqs, args.max_num_batched_tokens,
                         args.kv_cache_gib, args.prefix_caching)
     print(f"{res['system']}: load {res['load_s']:.1f} s, rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
-    return res
+    return {**res, "dtype": dtype}
 
 
 def report(name: str, reqs: list[WorkloadRequest], seconds: float) -> dict:
@@ -111,6 +117,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of each system")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (both systems)")
+    ap.add_argument("--quantization", default="auto,none",
+                    help="jaxpaged's EngineArgs.quantization values to run (comma-separated): auto keeps a GGUF's "
+                         "Q4_1/Q8_0 weights quantized in float32 (q-weights), none dequantizes them as the peers do")
     ap.add_argument("--rounds", type=int, default=3, help="timed generate() calls per system and dtype")
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
@@ -120,11 +129,14 @@ def main() -> None:
     reqs = synthetic(args.n, args.seed)
     dtypes = args.dtypes.split(",")
     rows, runs = [], []
-    for dtype in dtypes:
+    quantizations = args.quantization.split(",")
+    # Only float32 has weights to keep quantized (the native matmul's quantized path is float32).
+    for dtype, quantization in [(d, q) for d in dtypes for q in (quantizations if d == "float32" else quantizations[:1])]:
         engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
-                           kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching)
-        res = run_jaxpaged(reqs, engine_args, args.rounds)
+                           kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching,
+                           quantization=quantization)
+        res = {**run_jaxpaged(reqs, engine_args, args.rounds), "dtype": dtype}
         print(f"{res['system']}: load {res['load_s']:.1f} s (of which precompile {res['warmup_s']:.1f} s), "
               f"{res['compiled_programs']} compiled step programs, {res['preemptions']} preemptions, "
               f"rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")
@@ -134,20 +146,22 @@ def main() -> None:
     print(HEADER)
     for res in runs:
         rows.append({**report(res["system"], reqs, statistics.median(res["seconds"])), "rounds_s": res["seconds"],
-                     **{k: res[k] for k in ("load_s", "compiled_programs", "preemptions") if k in res}})
-    ours = {r["system"].split("(")[1].rstrip(")"): r for r in rows if r["system"].startswith("jaxpaged")}
+                     **{k: res[k] for k in ("dtype", "load_s", "compiled_programs", "preemptions",
+                                            "quantized_weights") if k in res}})
+    ours = [r for r in rows if r["system"].startswith("jaxpaged")]
     for r in rows:
         if r["system"].startswith("vllm"):
-            dtype = r["system"].split("(")[1].rstrip(")")
-            r["ratio_jaxpaged_over_peer"] = ours[dtype]["output_tok_per_s"] / r["output_tok_per_s"]
-            print(f"ratio jaxpaged / {r['system']} (useful output tok/s, {dtype}): {r['ratio_jaxpaged_over_peer']:.2f}x")
+            r["ratios_jaxpaged_over_peer"] = {}
+            for row in (o for o in ours if o["dtype"] == r["dtype"]):
+                ratio = r["ratios_jaxpaged_over_peer"][row["system"]] = row["output_tok_per_s"] / r["output_tok_per_s"]
+                print(f"ratio {row['system']} / {r['system']} (useful output tok/s): {ratio:.2f}x")
     if "hf" in args.peer:
         peer_reqs = reqs[:args.peer_n]
         hf = run_hf(peer_reqs, [int(b) for b in args.hf_batch_sizes.split(",")], args.model)
         print(HEADER)
         hf_row = report(hf["system"], peer_reqs, hf["seconds"][0])
         rows.append(hf_row)
-        for dtype, row in ours.items():
+        for row in ours:
             row["ratio_over_hf_float32"] = row["output_tok_per_s"] / hf_row["output_tok_per_s"]
             print(f"ratio {row['system']} / HF float32 static batching (useful output tok/s): "
                   f"{row['ratio_over_hf_float32']:.1f}x")

@@ -159,7 +159,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path,
                                         cache_dir=config.cache_dir and os.path.join(config.cache_dir, "tokenizers"))
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
-                            params=ckpt.params, matmul_backend=matmul)
+                            params=ckpt.params, matmul_backend=matmul,
+                            quantized=ckpt.quantized if config.quantization == "auto" else None)
         del ckpt
         if mesh is not None:
             model = parallel.shard_model(model, mesh)

@@ -153,7 +153,7 @@ class Embed(nn.Module):
 class Linear(nn.Module):
     """A dense layer ``x @ kernel (+ bias)``. With the ``cpu`` matmul backend its kernel is the
     native CPU matmul's packed weight (``pack_for_matmul_backend`` packs a ``[in, out]`` kernel once,
-    at load); otherwise the ``[in, out]`` kernel goes through XLA's dot. ``out_dtype`` (default
+    at load), or its quantized weight (uint8); otherwise the ``[in, out]`` kernel goes through XLA's dot. ``out_dtype`` (default
     ``dtype``) float32 keeps a bfloat16 layer's float32 accumulation (the LM head's logits).
     ``num_rows`` (an int32 scalar) counts the leading rows of ``x`` that are real tokens: the native
     matmul computes only those (the rest come out zero); XLA's dot computes every row."""
@@ -168,8 +168,10 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         k = x.shape[-1]
         if self.backend == "cpu":
-            shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
-            kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
+            kernel = self.get_variable("params", "kernel")
+            if kernel is None or kernel.dtype != jnp.uint8:     # else a quantized weight (cpu_matmul.pack_quantized)
+                shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
+                kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
             y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows)
             y = y.reshape(*x.shape[:-1], self.features)
         else:
@@ -296,16 +298,34 @@ class DecoderForCausalLM(nn.Module):
 def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backend: str) -> dict:
     """The param tree the model runs with on ``backend``: as stored for ``xla``; for ``cpu`` every
     dense kernel packed for the native matmul (host numpy, once), plus a tied model's ``lm_head``
-    (its embedding, transposed, packed)."""
+    (its embedding, transposed, packed). In float32 a kernel that came with
+    ``kernel_blocks`` (``convert_hf``) is the native matmul's quantized weight instead (bit-identical
+    results, a fifth of the bytes). ``kernel_blocks`` never stay in the tree."""
+    blocks, plain = {}, {}
+
+    def split(node: dict, out: dict, path: tuple) -> None:
+        for key, value in node.items():
+            if key == "kernel_blocks":
+                blocks[path] = value
+            elif isinstance(value, dict):
+                split(value, out.setdefault(key, {}), path + (key,))
+            else:
+                out[key] = value
+    split(params, plain, ())
     if backend == "xla":
-        return params
+        return plain
+    if cfg.tie_word_embeddings:
+        plain["lm_head"] = {"kernel": np.asarray(plain["embed_tokens"]["embedding"]).T}
+    quantize = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
 
     def pack(path, a):
-        return cpu_matmul.pack_weight(np.asarray(a), dtype) if path[-1].key == "kernel" else a
-    packed = jax.tree_util.tree_map_with_path(pack, params)
-    if cfg.tie_word_embeddings:
-        packed["lm_head"] = {"kernel": cpu_matmul.pack_weight(np.asarray(params["embed_tokens"]["embedding"]).T, dtype)}
-    return packed
+        if path[-1].key != "kernel":
+            return a
+        module = tuple(p.key for p in path[:-1])
+        if quantize and module in blocks:
+            return cpu_matmul.pack_quantized(*blocks[module])
+        return cpu_matmul.pack_weight(np.asarray(a), dtype)
+    return jax.tree_util.tree_map_with_path(pack, plain)
 
 
 def param_shapes(cfg: DecoderConfig, dtype: Any) -> dict:
@@ -394,10 +414,16 @@ def hf_layout(cfg: DecoderConfig, *, embed: str, layer: str, attn_norm: str, mlp
     return layout
 
 
-def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any, layout: dict) -> dict:
+def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any, layout: dict,
+               quantized: Mapping[str, tuple] | None = None) -> dict:
     """Build the param tree from HF tensors following ``layout`` (our nested param names ->
     ``Source``; the ``layers`` entry describes every layer: it becomes ``layers_0`` ...), checking
-    that every tensor is there and every shape matches the config."""
+    that every tensor is there and every shape matches the config.
+
+    ``quantized``: HF name -> the tensor as affine blocks ``(codes, scale, offset)``, ``[out, in]``
+    with blocks along ``in`` (a GGUF's). A kernel whose every source is there also gets them, fused
+    and transposed like the kernel, as ``kernel_blocks`` beside it (a tied model: under ``lm_head``),
+    for ``pack_for_matmul_backend``."""
     missing: list[str] = []
 
     def get(name: str) -> np.ndarray:
@@ -431,7 +457,36 @@ def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any
     if bad:
         raise ValueError(f"checkpoint shapes do not match the config: {bad[:3]}")
     # Host arrays: the runner places them (into their shards under tensor parallelism).
-    return jax.tree_util.tree_map(lambda a: np.asarray(a, jnp.dtype(dtype)), params)
+    params = jax.tree_util.tree_map(lambda a: np.asarray(a, jnp.dtype(dtype)), params)
+    if quantized:
+        _attach_blocks(params, layout, quantized, cfg)
+    return params
+
+
+def _attach_blocks(params: dict, layout: dict, quantized: Mapping[str, tuple], cfg: DecoderConfig) -> None:
+    """``convert_hf``'s ``kernel_blocks``: for each ``[out, in]`` kernel all of whose HF tensors are
+    quantized, their blocks transposed to ``[in, out]`` and fused along ``out`` in the kernel's order."""
+    def blocks(names: list[str]) -> tuple | None:
+        if not all(n in quantized for n in names):
+            return None
+        return tuple(np.concatenate([np.asarray(quantized[n][f]).T for n in names], axis=-1) for f in range(3))
+
+    def walk(node: dict, into: dict, layer: int | None) -> None:
+        for key, src in node.items():
+            if isinstance(src, dict):
+                walk(src, into[key], layer)
+            elif key == "kernel" and src.transpose:
+                found = blocks([n if layer is None else n.format(layer) for n in src.names])
+                if found is not None:
+                    into["kernel_blocks"] = found
+
+    walk({k: v for k, v in layout.items() if k != "layers"}, params, None)
+    for i in range(cfg.num_layers):
+        walk(layout["layers"], params[layer_name(i)], i)
+    if cfg.tie_word_embeddings:
+        found = blocks(list(layout["embed_tokens"]["embedding"].names))
+        if found is not None:
+            params["lm_head"] = {"kernel_blocks": found}
 
 
 def hf_prefix(tensors: Mapping[str, np.ndarray], probe: str, prefixes: tuple[str, ...]) -> str:

@@ -38,9 +38,10 @@ def config_from_hf(hf: Any) -> DecoderConfig:
     )
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any) -> dict:
+def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
+                   quantized: Mapping[str, tuple] | None = None) -> dict:
     t = hf_prefix(tensors, "wte.weight", ("transformer.", ""))
     layout = hf_layout(cfg, embed=t + "wte", positions=t + "wpe", layer=t + "h.{}.", attn_norm="ln_1",
                        mlp_norm="ln_2", qkv="attn.c_attn", o="attn.c_proj", up="mlp.c_fc", down="mlp.c_proj",
                        final_norm=t + "ln_f", transpose=False)
-    return convert_hf(cfg, tensors, dtype, layout)
+    return convert_hf(cfg, tensors, dtype, layout, quantized)

@@ -76,10 +76,11 @@ def qwen2_config_from_hf(hf: Any) -> DecoderConfig:
     return dataclasses.replace(config_from_hf(hf), qkv_bias=True, o_bias=False)
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any) -> dict:
+def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
+                   quantized: Mapping[str, tuple] | None = None) -> dict:
     """Map HF parameter names to the (per-layer, fused) param tree, checking every shape."""
     layout = hf_layout(cfg, embed="model.embed_tokens", layer="model.layers.{}.", attn_norm="input_layernorm",
                        mlp_norm="post_attention_layernorm", qkv=[f"self_attn.{n}_proj" for n in "qkv"],
                        o="self_attn.o_proj", up=["mlp.gate_proj", "mlp.up_proj"], down="mlp.down_proj",
                        final_norm="model.norm")
-    return convert_hf(cfg, tensors, dtype, layout)
+    return convert_hf(cfg, tensors, dtype, layout, quantized)

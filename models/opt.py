@@ -41,10 +41,11 @@ def config_from_hf(hf: Any) -> DecoderConfig:
     )
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any) -> dict:
+def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
+                   quantized: Mapping[str, tuple] | None = None) -> dict:
     d = hf_prefix(tensors, "embed_tokens.weight", ("model.decoder.", "decoder."))
     layout = hf_layout(cfg, embed=d + "embed_tokens", positions=d + "embed_positions", layer=d + "layers.{}.",
                        attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm",
                        qkv=[f"self_attn.{n}_proj" for n in "qkv"], o="self_attn.out_proj", up="fc1", down="fc2",
                        final_norm=d + "final_layer_norm", project=(d + "project_in", d + "project_out"))
-    return convert_hf(cfg, tensors, dtype, layout)
+    return convert_hf(cfg, tensors, dtype, layout, quantized)

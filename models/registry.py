@@ -39,7 +39,8 @@ class BuiltModel:
 
 class Family(NamedTuple):
     config_from_hf: Callable[[Any], DecoderConfig]
-    params_from_hf: Callable[[DecoderConfig, Mapping[str, np.ndarray], Any], dict]
+    params_from_hf: Callable[..., dict]
+    """``(cfg, tensors, dtype, quantized=None) -> params`` (``models.decoder.convert_hf``)."""
 
 
 _ARCHITECTURES = {
@@ -70,12 +71,15 @@ def model_shape(cfg: DecoderConfig) -> ModelShape:
 
 
 def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
-                attention_backend: str, params: Any = None, matmul_backend: str = "xla") -> BuiltModel:
+                attention_backend: str, params: Any = None, matmul_backend: str = "xla",
+                quantized: Mapping[str, tuple] | None = None) -> BuiltModel:
     """``params``, if given, is the ready param tree (an orbax checkpoint's) and ``tensors`` is unused.
-    With ``matmul_backend="cpu"`` the params are packed for the native CPU matmul (not a tree to save)."""
+    With ``matmul_backend="cpu"`` the params are packed for the native CPU matmul (not a tree to save);
+    in float32 the kernels whose tensors are in ``quantized`` (HF name -> affine blocks, a GGUF's
+    Q4_0 / Q4_1 / Q8_0) stay quantized."""
     arch, cfg = config_from_hf(hf_config)
     if params is None:
-        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype)
+        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype, quantized)
     params = pack_for_matmul_backend(params, cfg, dtype, matmul_backend)
     module = DecoderForCausalLM(cfg, dtype, attention_backend, matmul_backend=matmul_backend)
     return BuiltModel(module, params, model_shape(cfg))

@@ -19,6 +19,19 @@ columns ``32p .. 32p + 31``; its ``K * 32`` elements are contiguous:
   ``w[2q, c], w[2q+1, c]`` for ``c = 32p .. 32p + 31``. For odd ``K`` the last row
   ``packed[p, K - 1, j] = w[K - 1, 32p + j]`` is stored plain.
 
+Quantized weights (``pack_quantized``): a float32 weight that came as GGUF-style affine blocks
+(``w[k, c] = codes[k, c] * scale[k // 32, c] + offset[k // 32, c]``, codes in 0..15 or 0..255, as
+llama.cpp's Q4_0 / Q4_1 / Q8_0 store them) can be kept that way: 5 or 9 bits per weight instead of
+32. The kernel rebuilds each weight exactly (``codes * scale`` is exact in float32 for such codes
+and float16 scales, so the one rounding is the addition's) and sums in the dense kernel's order, so
+the result is bit-identical to the float32 matmul of the dequantized weight. Few rows rebuild the
+weights in registers as they stream them (a decode step reads a sixth of the bytes); many rows
+rebuild each panel once into cache and run the dense micro-kernels. Layout: a uint8 array
+``[P, K * (c + 8)]``, panel ``p`` (columns ``32p .. 32p + 31``) holding its codes, ``K`` rows of
+``c`` bytes (``c = 16``: byte ``j`` holds column ``j`` in its low nibble and column ``j + 16`` in
+its high one; ``c = 32``: one byte per column), then per block of 32 rows the 32 columns' scales
+and the 32 offsets (float32, little-endian).
+
 This module knows nothing about models; it only checks shapes and dtypes.
 """
 
@@ -32,15 +45,17 @@ import numpy as np
 
 from pallas_kernels.native import register_cpu_targets
 
-_TARGET = "jaxpaged_matmul_cpu"
+_TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
 PANEL = 32  # columns per packed panel
+QUANT_BLOCK = 32  # k rows sharing a column's scale and offset
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.cache
 def native_matmul_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    return register_cpu_targets("pallas_kernels._matmul_cpu", {_TARGET: "JaxpagedMatmulCpu"})
+    return register_cpu_targets("pallas_kernels._matmul_cpu",
+                                {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"})
 
 
 def _checked_dtype(dtype) -> np.dtype:
@@ -71,6 +86,29 @@ def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
+def pack_quantized(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Affine blocks of ``w[K, N]`` (``codes [K, N]`` integers in 0..255, ``scale`` and ``offset``
+    ``[K/32, N]``) -> the quantized weight, uint8 ``[ceil(N/32), K * (c + 8)]`` (see the module doc;
+    4-bit codes when every code is below 16). Columns past N get zero codes, scales and offsets."""
+    codes, scale, offset = np.asarray(codes), np.asarray(scale, np.float32), np.asarray(offset, np.float32)
+    if codes.ndim != 2 or codes.shape[0] % QUANT_BLOCK or codes.shape[0] == 0:
+        raise ValueError(f"codes must be [K, N] with K a positive multiple of {QUANT_BLOCK}, got shape {codes.shape}")
+    k, n = codes.shape
+    if scale.shape != (k // QUANT_BLOCK, n) or offset.shape != scale.shape:
+        raise ValueError(f"scale and offset must be [{k // QUANT_BLOCK}, {n}] for codes {codes.shape}, got "
+                         f"{scale.shape} and {offset.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() > 255):
+        raise ValueError("codes must lie in 0..255")
+    panels = -(-n // PANEL)
+    pad = ((0, 0), (0, panels * PANEL - n))
+    rows = np.pad(codes.astype(np.uint8), pad).reshape(k, panels, PANEL).transpose(1, 0, 2)   # [P, K, 32]
+    if codes.size == 0 or codes.max() < 16:
+        rows = rows[..., :PANEL // 2] | (rows[..., PANEL // 2:] << 4)
+    qparams = np.stack([np.pad(scale, pad), np.pad(offset, pad)], axis=1)      # [K/32, 2, P * 32]
+    qparams = qparams.reshape(k // QUANT_BLOCK, 2, panels, PANEL).transpose(2, 0, 1, 3).astype("<f4")
+    return np.concatenate([rows.reshape(panels, -1), qparams.reshape(panels, -1).view(np.uint8)], axis=1)
+
+
 def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: jax.Array | int | None = None
            ) -> jax.Array:
     """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in
@@ -81,6 +119,8 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     ``x`` are multiplied, the output's other rows are zeros. A batch padded to a bucket of ``M``
     tokens pays for its real tokens only, with one compiled program per bucket.
 
+    ``packed`` may also be a quantized weight (``pack_quantized``, uint8) for float32 ``x``.
+
     Jittable with ``n`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
     ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
     """
@@ -88,22 +128,31 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
         raise RuntimeError("the native CPU matmul kernel was not built (no C++ compiler at install time?); "
                            "rebuild with `python setup.py build_ext --inplace`, or use jnp.dot")
     dtype = _checked_dtype(x.dtype)
-    if jnp.dtype(packed.dtype) != dtype:
-        raise ValueError(f"x is {dtype} but the packed weight is {jnp.dtype(packed.dtype)}; pack the weight "
-                         f"with pack_weight(w, {dtype}) (casting here would copy the weight on every call)")
-    if x.ndim != 2 or packed.ndim != 3 or packed.shape[2] != PANEL:
-        raise ValueError(f"expected x[M, K] and a packed weight [P, K, {PANEL}], got shapes {x.shape} and "
-                         f"{packed.shape}")
-    n = int(n)
-    if packed.shape[1] != x.shape[1]:
-        raise ValueError(f"K does not match: x has {x.shape[1]} columns, the packed weight {packed.shape[1]} rows")
-    if n < 0 or -(-n // PANEL) != packed.shape[0]:
-        raise ValueError(f"n={n} does not match the packed weight's {packed.shape[0]} panels of {PANEL} columns")
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in (dtype, jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype ({dtype}) or float32, got {out_dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"expected x[M, K], got shape {x.shape}")
+    n, k = int(n), x.shape[1]
+    quantized = jnp.dtype(packed.dtype) == jnp.dtype(jnp.uint8)
+    if quantized:
+        if dtype != jnp.dtype(jnp.float32):
+            raise ValueError(f"a quantized weight (pack_quantized) needs float32 x, got {dtype}")
+        if packed.ndim != 2 or k == 0 or k % QUANT_BLOCK or packed.shape[1] not in (k * 24, k * 40):
+            raise ValueError(f"the quantized weight of shape {packed.shape} does not fit x[M, {k}]: expected "
+                             f"[P, {k} * 24 or {k} * 40] with K a positive multiple of {QUANT_BLOCK}")
+    else:
+        if jnp.dtype(packed.dtype) != dtype:
+            raise ValueError(f"x is {dtype} but the packed weight is {jnp.dtype(packed.dtype)}; pack the weight "
+                             f"with pack_weight(w, {dtype}) (casting here would copy the weight on every call)")
+        if packed.ndim != 3 or packed.shape[2] != PANEL:
+            raise ValueError(f"expected a packed weight [P, K, {PANEL}], got shape {packed.shape}")
+        if packed.shape[1] != k:
+            raise ValueError(f"K does not match: x has {k} columns, the packed weight {packed.shape[1]} rows")
+    if n < 0 or -(-n // PANEL) != packed.shape[0]:
+        raise ValueError(f"n={n} does not match the weight's {packed.shape[0]} panels of {PANEL} columns")
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     if rows.shape != ():
         raise ValueError(f"num_rows must be a scalar, got shape {rows.shape}")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, packed, rows)

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_weight
+from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_quantized, pack_weight
 
 pytestmark = pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
 
@@ -186,3 +186,69 @@ def test_errors():
         matmul(jnp.asarray(x)[None], packed, 10)
     with pytest.raises(ValueError, match="num_rows must be a scalar"):
         matmul(jnp.asarray(x), packed, 10, num_rows=jnp.array([2, 3], jnp.int32))
+
+
+# ---------------------------------------------------------------- quantized weights
+
+def _affine(k, n, bits, seed=0):
+    """Random affine blocks (float16 scales and offsets, as GGUF stores them) and the float32 weight
+    they stand for, computed in float64 and rounded once (the exact rebuild's value)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, (k, n))
+    scale = rng.standard_normal((k // 32, n)).astype(np.float16).astype(np.float32)
+    offset = rng.standard_normal((k // 32, n)).astype(np.float16).astype(np.float32)
+    w = (codes * np.repeat(scale, 32, 0).astype(np.float64) + np.repeat(offset, 32, 0)).astype(np.float32)
+    return codes, scale, offset, w
+
+
+# M = 1, the 8-row groups of the in-register path and its 16-row limit, the in-cache rebuild, several row blocks.
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40, 300])
+@pytest.mark.parametrize("bits,k,n", [(4, 576, 960), (8, 64, 49), (4, 1536, 200), (8, 576, 33)])
+def test_quantized_weight_is_bit_identical_to_its_dense_float32_weight(m, bits, k, n):
+    codes, scale, offset, w = _affine(k, n, bits, seed=m)
+    quant = pack_quantized(codes, scale, offset)
+    assert quant.dtype == np.uint8 and quant.shape == (-(-n // 32), k * (bits * 4 + 8))
+    x = np.random.default_rng(1).standard_normal((m + 3, k)).astype(np.float32)
+    got = np.asarray(matmul(jnp.asarray(x), jnp.asarray(quant), n, num_rows=m))
+    dense = np.asarray(matmul(jnp.asarray(x), jnp.asarray(pack_weight(w, jnp.float32)), n, num_rows=m))
+    np.testing.assert_array_equal(got, dense)
+    _check_f32(got[:m].astype(np.float64), x[:m], w)
+    assert not got[m:].any()
+
+
+def test_quantized_layout_is_as_documented():
+    k, n = 64, 40
+    codes, scale, offset, _ = _affine(k, n, 4)
+    quant = pack_quantized(codes, scale, offset)
+    for p in range(2):
+        panel = quant[p]
+        params = panel[k * 16:].view("<f4").reshape(k // 32, 2, 32)
+        for j in range(32):
+            col = 32 * p + j
+            real = col < n
+            for r in range(k):
+                byte = panel[r * 16 + j % 16]
+                assert (byte >> (4 * (j // 16))) & 0xF == (codes[r, col] if real else 0)
+            for b in range(k // 32):
+                assert params[b, 0, j] == (scale[b, col] if real else 0)
+                assert params[b, 1, j] == (offset[b, col] if real else 0)
+    eight = pack_quantized(codes + 16, scale, offset)     # a code above 15: one byte per code
+    assert eight.shape == (2, k * 40) and eight[0, 32 + 3] == codes[1, 3] + 16
+
+
+def test_quantized_errors():
+    codes, scale, offset, _ = _affine(64, 10, 4)
+    quant = jnp.asarray(pack_quantized(codes, scale, offset))
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="needs float32 x"):
+        matmul(x.astype(jnp.bfloat16), quant, 10)
+    with pytest.raises(ValueError, match="does not fit"):
+        matmul(x[:, :32], quant, 10)
+    with pytest.raises(ValueError, match="n=40 does not match"):
+        matmul(x, quant, 40)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_quantized(codes[:48], scale, offset)
+    with pytest.raises(ValueError, match="scale and offset"):
+        pack_quantized(codes, scale[:, :5], offset)
+    with pytest.raises(ValueError, match="0..255"):
+        pack_quantized(codes + 250, scale, offset)

@@ -97,6 +97,7 @@ def test_unsupported_architecture(tiny, tmp_path):
     (dict(max_model_len=100000), "exceeds the model's max_position_embeddings"),
     (dict(kv_cache_memory=10), "holds 0 blocks"),
     (dict(attention_backend="cuda-magic"), "attention_backend must be one of"),
+    (dict(quantization="gguf-q9"), "quantization must be one of"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=32), "chunked prefill disabled"),
 ])
 def test_bad_engine_config(tiny, kwargs, message):

@@ -43,6 +43,25 @@ def test_greedy_matches_transformers(engine_args, prompts, reference):
     assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
 
 
+def test_quantized_weights_give_bit_identical_results(prompts):
+    """By default the Q4_1 projections and the Q8_0 embedding (the tied LM head) run as quantized
+    weights; they rebuild the dequantized float32 weights exactly and sum in the same order, so
+    tokens and logprobs equal those of quantization="none" to the last bit."""
+    import jax.numpy as jnp
+    import jax.tree_util as tu
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    results, kinds = [], []
+    for quantization in ("auto", "none"):
+        llm = LLM(quantization=quantization, precompile=False, max_num_seqs=4)
+        kinds.append(sorted({str(a.dtype) for a in tu.tree_leaves(llm.engine.runner.model.params) if a.ndim >= 2}))
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)])
+        num_quantized = sum(a.dtype == jnp.uint8 for a in tu.tree_leaves(llm.engine.runner.model.params))
+        assert num_quantized == (30 * 4 + 1 if quantization == "auto" else 0)
+    assert kinds == [["float32", "uint8"], ["float32"]]
+    assert results[0] == results[1]
+
+
 def test_cli_generate_prints_completion():
     proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--chat", "--max-tokens", "12",
                            "What is the capital of France?"], capture_output=True, text=True, timeout=600)

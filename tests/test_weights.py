@@ -251,6 +251,27 @@ def test_gguf_quantized_types_dequantize_and_tie(tmp_path):
     assert {chosen[n] for n in expected if expected[n].ndim == 2} == set(types)
 
 
+def _rebuilt(blocks) -> np.ndarray:
+    codes, scale, offset = blocks
+    return codes * np.repeat(scale, 32, axis=-1) + np.repeat(offset, 32, axis=-1)
+
+
+def test_gguf_affine_block_types_also_come_as_exact_blocks(tmp_path):
+    """Q4_0 / Q4_1 / Q8_0 tensors (q/k permuted before quantizing) are also kept as codes, scales and
+    offsets in HF order, which rebuild the dequantized float32 tensor bit for bit; other types are not."""
+    model = tiny_llama(seed=5)
+    types = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.F16]
+    chosen = {name: types[i % len(types)] for i, name in enumerate(expected_tensors(model))}
+    checkpoint = load_checkpoint(str(write_gguf(tmp_path / "q.gguf", model, chosen.__getitem__)))
+    affine = {n for n, a in expected_tensors(model).items() if a.ndim == 2 and chosen[n] in types[:3]}
+    assert set(checkpoint.quantized) == affine and {chosen[n] for n in affine} == set(types[:3])
+    for name in affine:
+        blocks = checkpoint.quantized[name]
+        assert blocks.codes.dtype == np.uint8 and blocks.codes.shape == checkpoint.tensors[name].shape
+        assert blocks.codes.max() < (256 if chosen[name] == Q.Q8_0 else 16)
+        np.testing.assert_array_equal(_rebuilt(blocks), checkpoint.tensors[name])
+
+
 def test_gguf_linear_rope_scaling(tmp_path):
     def linear(writer: gguf.GGUFWriter) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -312,6 +333,15 @@ def test_smollm2_config_matches_known_facts(smollm2_checkpoint):
     assert c.tie_word_embeddings and "lm_head.weight" not in smollm2_checkpoint.tensors
     assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (1, 2, 2)
     assert sum(a.size for a in smollm2_checkpoint.tensors.values()) == pytest.approx(134.5e6, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_smollm2_projections_and_embedding_come_as_exact_blocks(smollm2_checkpoint):
+    """The file's Q4_1 projections and Q8_0 embedding (every matrix) rebuild their float32 tensors exactly."""
+    matrices = {n for n, a in smollm2_checkpoint.tensors.items() if a.ndim == 2}
+    assert set(smollm2_checkpoint.quantized) == matrices and len(matrices) == 30 * 7 + 1
+    for name in matrices:
+        np.testing.assert_array_equal(_rebuilt(smollm2_checkpoint.quantized[name]), smollm2_checkpoint.tensors[name])
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ The model code then needs only HF names. Three things differ from an HF checkpoi
 undone here: llama.cpp's tensor names, its reversed dimension order (handled by ``GGUFFile``,
 whose shapes are already [out, in]) and the per-head row permutation convert_hf_to_gguf.py
 applies to q/k so that llama.cpp can rotate adjacent pairs instead of HF's halves. Tensors are
-dequantized (gguf-py's routines) on a thread per core: numpy releases the GIL.
+dequantized (gguf-py's routines) on a thread per core: numpy releases the GIL. Tensors of the
+affine block types (Q4_0, Q4_1, Q8_0) also come as their codes, scales and offsets
+(``Checkpoint.quantized``), which rebuild the dequantized values exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import transformers
 
 from jaxpaged.weights.gguf_file import GGUFFile, GGUFTensor
-from jaxpaged.weights.resolve import Checkpoint
+from jaxpaged.weights.resolve import AffineBlocks, Checkpoint
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (
@@ -59,6 +61,27 @@ def hf_name(gguf_name: str) -> str:
             f"and blk.N.{{{','.join(_BLOCK_NAMES)}}}.weight."
         )
     return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.weight"
+
+
+def affine_blocks(tensor: GGUFTensor) -> AffineBlocks | None:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks as ``AffineBlocks`` (shape [out, in]); None for other
+    types. Q4_0's ``d * (q - 8)`` and Q8_0's ``d * q`` (q signed) become offsets ``-8d`` / ``-128d``
+    on unsigned codes; as code * d is exact in float32, so is the offset's addition."""
+    block_bytes = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}.get(tensor.tensor_type)
+    if block_bytes is None:
+        return None
+    out_dim, in_dim = tensor.shape
+    blocks = np.asarray(tensor.data, np.uint8).reshape(out_dim, in_dim // 32, block_bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type == Q.Q8_0:
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        offset = scale * np.float32(-128)
+    else:
+        packed = blocks[..., 4:] if tensor.tensor_type == Q.Q4_1 else blocks[..., 2:]
+        codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1)      # low nibbles are the first 16
+        offset = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                  if tensor.tensor_type == Q.Q4_1 else scale * np.float32(-8))
+    return AffineBlocks(codes.reshape(out_dim, in_dim), scale, offset)
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -199,16 +222,23 @@ def load_gguf(path: pathlib.Path) -> Checkpoint:
     )
     _check_tensors(path, file.tensors, config)
 
-    def dequantize(tensor: GGUFTensor) -> np.ndarray:
+    def in_hf_order(tensor: GGUFTensor, array: np.ndarray) -> np.ndarray:
+        if tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            return unpermute_rope_rows(array, heads)
+        return array
+
+    def dequantize(tensor: GGUFTensor) -> tuple[np.ndarray, AffineBlocks | None]:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if np.may_share_memory(array, tensor.data):  # F32 comes back as a view of the memory map
             array = array.copy()
-        if tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
-            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
-            array = unpermute_rope_rows(array, heads)
-        return array.astype(np.float32, copy=False)
+        blocks = affine_blocks(tensor)
+        if blocks is not None:
+            blocks = AffineBlocks(*(in_hf_order(tensor, a) for a in blocks))
+        return in_hf_order(tensor, array).astype(np.float32, copy=False), blocks
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        arrays = list(pool.map(dequantize, file.tensors))
-    tensors = {hf_name(t.name): a for t, a in zip(file.tensors, arrays)}
-    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf")
+        loaded = list(pool.map(dequantize, file.tensors))
+    tensors = {hf_name(t.name): a for t, (a, _) in zip(file.tensors, loaded)}
+    quantized = {hf_name(t.name): b for t, (_, b) in zip(file.tensors, loaded) if b is not None}
+    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", quantized=quantized)

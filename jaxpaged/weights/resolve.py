@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import pathlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import transformers
@@ -17,13 +17,24 @@ MODEL_CARD = "jaxpaged_model.json"
 ORBAX_PARAMS_DIR = "params"
 
 
+class AffineBlocks(NamedTuple):
+    """A weight ``[out, in]`` as llama.cpp's simple quantizations store it, in blocks of 32 along
+    ``in``: ``w[o, i] = codes[o, i] * scale[o, i // 32] + offset[o, i // 32]`` in float32 (exactly
+    the dequantized weight). ``codes`` uint8 (below 16 for 4-bit types), ``scale`` / ``offset`` float32."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+
+
 @dataclass
 class Checkpoint:
     """Weights in HF naming and layout ([out, in]), as float32, whatever the file format was.
 
     Loaders for every format produce this, so model code maps one set of names only. The one
     exception is an orbax checkpoint, which already holds our param tree: it comes as ``params``
-    (jax arrays, placed and cast) with ``tensors`` empty.
+    (jax arrays, placed and cast) with ``tensors`` empty. A GGUF's Q4_0 / Q4_1 / Q8_0 tensors are
+    also in ``quantized`` (same names), for the native CPU matmul to keep them that way.
     """
 
     config: transformers.PretrainedConfig
@@ -31,6 +42,7 @@ class Checkpoint:
     path: pathlib.Path
     format: str
     params: Any = None
+    quantized: dict[str, AffineBlocks] = field(default_factory=dict)
 
 
 def _alias_gguf() -> pathlib.Path:

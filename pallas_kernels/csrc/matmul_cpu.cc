@@ -19,6 +19,16 @@
 // sized to stay in L2, and a panel stays in L2 across the row groups of its unit. Units are spread
 // over XLA's intra-op thread pool (see RunGemm). Accumulation is in float32; bfloat16 results are
 // rounded to nearest even, unless the caller asks for float32 out (bfloat16 x and weight).
+//
+// A second target (JaxpagedMatmulQuantCpu) takes a float32 weight as GGUF-style affine blocks,
+// w[k, c] = code * scale + offset with one (scale, offset) per 32 consecutive k of a column,
+// in a uint8 array [P, K * (c + 8)]: panel p holds its codes, K rows of c bytes (c = 16: 4-bit
+// codes, byte j holding column j in its low nibble and column j + 16 in its high one; c = 32: one
+// byte per column), then per block of 32 rows the 32 columns' scales and the 32 offsets (floats).
+// Each weight is rebuilt exactly (code * scale is exact in float32 for codes below 2^8 and float16
+// scales, so the fused multiply-add rounds once, like code * scale + offset), in registers for a
+// unit of few rows, into a cached float32 panel for more; the sums run in the dense kernel's order,
+// so the result is bit-identical to the float32 product with the dequantized weight.
 
 #include <algorithm>
 #include <array>
@@ -50,6 +60,9 @@ constexpr int64_t kPrefetchRows = 8;           // panel rows (pair rows) prefetc
 constexpr int64_t kStreamPrefetchRows = 32;    // or this many when streaming from memory (kAhead)
 constexpr int64_t kAheadGroups = 4;            // up to this many row groups prefetch the next panel
 constexpr int64_t kPrefetchMinRows = 5;        // fewer rows: no software prefetch at all
+constexpr int64_t kQuantBlock = 32;            // k rows sharing one (scale, offset) per column
+constexpr int kQuantMR = 8;                    // most rows per quantized micro-kernel call,
+constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
 // it from L3 or memory and prefetches it into L1 some rows ahead (kNear); with few row groups
@@ -225,6 +238,66 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* 
   StoreTile<R>(acc, c, ldc, cols);
 }
 
+// A quantized panel row i (32 weights) rebuilt in two vectors from its codes and its block's scales
+// and offsets (s0/s1, o0/o1).
+template <int kBits>
+inline void RebuildRow(const uint8_t* codes, int64_t i, __m512 s0, __m512 s1, __m512 o0, __m512 o1, __m512& b0,
+                       __m512& b1) {
+  const uint8_t* ci = codes + i * (kBits * kNR / 8);
+  __m512i q0, q1;
+  if constexpr (kBits == 4) {
+    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci)));
+    q0 = _mm512_and_si512(both, _mm512_set1_epi32(0xf));
+    q1 = _mm512_srli_epi32(both, 4);
+  } else {
+    q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci)));
+    q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + 16)));
+  }
+  b0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, o0);
+  b1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, o1);
+}
+
+// Calls f(i, b0, b1) for each row i of a quantized panel, in order, with its rebuilt weights.
+template <int kBits, typename F>
+inline void ForEachRebuiltRow(const uint8_t* codes, const float* qparams, int64_t k, F&& f) {
+  for (int64_t blk = 0; blk < k / kQuantBlock; ++blk) {
+    const float* qp = qparams + blk * 2 * kNR;
+    const __m512 s0 = _mm512_loadu_ps(qp), s1 = _mm512_loadu_ps(qp + 16);
+    const __m512 o0 = _mm512_loadu_ps(qp + kNR), o1 = _mm512_loadu_ps(qp + kNR + 16);
+#pragma GCC unroll 2
+    for (int64_t i = blk * kQuantBlock; i < (blk + 1) * kQuantBlock; ++i) {
+      __m512 b0, b1;
+      RebuildRow<kBits>(codes, i, s0, s1, o0, o1, b0, b1);
+      f(i, b0, b1);
+    }
+  }
+}
+
+// Few rows: the dense kernel's row update on weights rebuilt in registers (the codes are read once).
+template <int R, int kBits>
+void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
+                   int64_t ldc, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  ForEachRebuiltRow<kBits>(codes, qparams, k, [&](int64_t i, __m512 b0, __m512 b1) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * lda + i]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    }
+  });
+  StoreTile<R>(acc, c, ldc, cols);
+}
+
+// Many rows: the panel rebuilt once into a float32 panel (K x 32) for the dense micro-kernels.
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* panel) {
+  ForEachRebuiltRow<kBits>(codes, qparams, k, [&](int64_t i, __m512 b0, __m512 b1) {
+    _mm512_storeu_ps(panel + i * kNR, b0);
+    _mm512_storeu_ps(panel + i * kNR + 16, b1);
+  });
+}
+
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
 template <int R, int>
@@ -266,6 +339,26 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* 
     for (int64_t j = 0; j < cols; ++j) StoreValue(c + r * ldc + j, acc[r][j]);
 }
 
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* panel) {
+  for (int64_t i = 0; i < k; ++i) {
+    const float* qp = qparams + (i / kQuantBlock) * 2 * kNR;
+    const uint8_t* ci = codes + i * (kBits * kNR / 8);
+    for (int64_t j = 0; j < kNR; ++j) {
+      const int code = kBits == 4 ? (ci[j % 16] >> (4 * (j / 16))) & 0xf : ci[j];
+      panel[i * kNR + j] = static_cast<float>(code) * qp[j] + qp[kNR + j];
+    }
+  }
+}
+
+template <int R, int kBits>
+void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
+                   int64_t ldc, int64_t cols) {
+  std::vector<float> panel(k * kNR);
+  RebuildPanel<kBits>(codes, qparams, k, panel.data());
+  MicroF32<R, 0>(a, lda, panel.data(), k, c, ldc, cols, nullptr, 0);
+}
+
 #endif
 
 // The micro-kernels of one input dtype T and output dtype O (T, or float32 for bfloat16 inputs),
@@ -290,6 +383,12 @@ constexpr std::array<MicroFn<T, O>, kMR> MicroTable(std::index_sequence<R...>) {
 template <typename T, typename O, size_t... Pf>
 constexpr std::array<std::array<MicroFn<T, O>, kMR>, kPrefetchModes> MicroTables(std::index_sequence<Pf...>) {
   return {MicroTable<T, O, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
+}
+
+template <int kBits, size_t... R>
+constexpr auto QuantTable(std::index_sequence<R...>) {
+  using QuantFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
+  return std::array<QuantFn, sizeof...(R)>{&MicroQuantF32<static_cast<int>(R) + 1, kBits>...};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -323,10 +422,10 @@ struct Job {
   O* out;
 };
 
-// Splits `rows` into ceil(rows / kMR) near-equal micro-kernel row counts.
-template <typename F>
+// Splits `rows` into ceil(rows / kMax) near-equal micro-kernel row counts.
+template <int64_t kMax = kMR, typename F>
 inline void ForEachRowGroup(int64_t rows, F&& f) {
-  const int64_t groups = (rows + kMR - 1) / kMR;
+  const int64_t groups = (rows + kMax - 1) / kMax;
   int64_t r0 = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t r = rows / groups + (g < rows % groups ? 1 : 0);
@@ -405,20 +504,20 @@ inline bool Refill(SharedState& s, Range& mine, int64_t n, int64_t share) {
   return false;
 }
 
-template <typename T, typename O, typename Pool>
-void RunGemm(const Plan& plan, const T* x, const T* w, O* out, Pool& pool) {
-  const Job<T, O> job{plan, x, w, out};
-  const int64_t n = plan.units, share = 2 * plan.workers;
-  const int64_t helpers = std::min<int64_t>(plan.workers, n) - 1;
+// Runs run_unit(u, more) for every unit u < n on up to `workers` threads (the caller and pool tasks).
+template <typename RunUnitFn, typename Pool>
+void RunUnits(int64_t n, int64_t workers, const RunUnitFn& run_unit, Pool& pool) {
+  const int64_t share = 2 * workers;
+  const int64_t helpers = std::min<int64_t>(workers, n) - 1;
   auto state = std::make_shared<SharedState>(helpers + 1);
-  auto work = [state, &job, n, share]() {
+  auto work = [state, &run_unit, n, share]() {
     SharedState& s = *state;
     Range& mine = s.ranges[s.joined.fetch_add(1)];
     do {
       for (uint64_t r = mine.word.load(); Range::Begin(r) < Range::End(r);) {
         const int64_t u = Range::Begin(r), end = Range::End(r);
         if (!mine.word.compare_exchange_weak(r, Range::Pack(u + 1, end))) continue;
-        RunUnit(job, u, u + 1 < end);
+        run_unit(u, u + 1 < end);
         s.done.fetch_add(1, std::memory_order_release);
         r = mine.word.load();
       }
@@ -443,7 +542,45 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
   }
   const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
   if (plan.units >= (int64_t{1} << 31)) return false;
-  RunGemm(plan, x, w, out, pool);
+  const Job<T, O> job{plan, x, w, out};
+  RunUnits(plan.units, plan.workers, [&job](int64_t u, bool more) { RunUnit(job, u, more); }, pool);
+  return true;
+}
+
+// out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes] (float32). Units as the dense Gemm's
+// (row block, panel); a unit of few rows rebuilds the weights in registers as it goes (the codes
+// are all it reads), one of more rows rebuilds its panel once into a float32 panel in cache
+// (thread-local) and runs the dense micro-kernels on it. False if the problem is too large.
+template <int kBits, typename Pool>
+bool QuantGemm(const float* x, const uint8_t* w, float* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
+  static constexpr auto kDirect = QuantTable<kBits>(std::make_index_sequence<kQuantMR>());
+  static constexpr auto kDense = MicroTables<float, float>(std::make_index_sequence<kPrefetchModes>());
+  if (m == 0 || n == 0) return true;
+  const Plan plan = MakePlan(m, k, n, sizeof(float), std::max<int64_t>(1, pool.num_threads()));
+  if (plan.units >= (int64_t{1} << 31)) return false;
+  const int64_t code_bytes = k * kBits * kNR / 8;
+  const int64_t panel_bytes = code_bytes + k / kQuantBlock * 2 * kNR * static_cast<int64_t>(sizeof(float));
+  RunUnits(plan.units, plan.workers, [&](int64_t u, bool) {
+    const int64_t rb = u / plan.panels, panel = u % plan.panels;
+    const int64_t row0 = rb * plan.block_rows, rows = std::min(plan.block_rows, m - row0);
+    const uint8_t* codes = w + panel * panel_bytes;
+    const auto* qparams = reinterpret_cast<const float*>(codes + code_bytes);
+    const int64_t cols = std::min(kNR, n - panel * kNR);
+    const float* a = x + row0 * k;
+    float* c = out + row0 * n + panel * kNR;
+    if (rows <= kQuantDirectRows) {
+      ForEachRowGroup<kQuantMR>(rows, [&](int64_t r0, int64_t r) {
+        kDirect[r - 1](a + r0 * k, k, codes, qparams, k, c + r0 * n, n, cols);
+      });
+      return;
+    }
+    thread_local std::vector<float> rebuilt;
+    if (static_cast<int64_t>(rebuilt.size()) < k * kNR) rebuilt.resize(k * kNR);
+    RebuildPanel<kBits>(codes, qparams, k, rebuilt.data());
+    ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
+      kDense[0][r - 1](a + r0 * k, k, rebuilt.data(), k, c + r0 * n, n, cols, nullptr, 0);
+    });
+  }, pool);
   return true;
 }
 
@@ -485,6 +622,29 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
   return ffi::Error::Success();
 }
 
+// out[M, N] = x[M, K] @ a quantized weight w[P, K * (c + 8)] (c = 16 or 32 code bytes per panel row,
+// see the top of the file), float32; rows past `rows` are zero.
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || od[0] != xd[0] || (od[1] + kNR - 1) / kNR != wd[0])
+    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], a quantized weight [P, bytes], out[M,N]");
+  if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
+  const int64_t k = xd[1], n = od[1];
+  const int64_t code_bytes = k == 0 ? 0 : wd[1] / k - 8;
+  if (k % kQuantBlock != 0 || k == 0 || wd[1] % k != 0 || (code_bytes != kNR / 2 && code_bytes != kNR))
+    return ffi::Error::InvalidArgument("matmul_cpu: the quantized weight's panels do not match K (a multiple of 32)");
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  float* o = out->typed_data();
+  const bool ok = code_bytes == kNR / 2 ? QuantGemm<4>(x.typed_data(), w.typed_data(), o, m, k, n, pool)
+                                        : QuantGemm<8>(x.typed_data(), w.typed_data(), o, m, k, n, pool);
+  if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
+  std::memset(o + m * n, 0, (xd[0] - m) * n * sizeof(float));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
@@ -494,3 +654,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulQuantCpu, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
