@@ -30,7 +30,7 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.cpu_matmul import QUANT_BLOCK, matmul, pack_quantized, pack_weight
+    from pallas_kernels.cpu_matmul import QUANT_BLOCK, matmul, pack_quantized, pack_weight, use_amx
 
     # Q4_1 of a random weight: per block of 32 k, codes 0..15 between the block's minimum and maximum.
     w = rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)
@@ -52,6 +52,9 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
         if tag == "f32":
             quant = [jnp.asarray(pack_quantized(codes, scale, low)) + 0 for _ in range(copies)]
             out["native q4 f32"] = (lambda i, xd=xd, ws=quant: native(xd, ws[i], n), quant[0].nbytes)
+        elif use_amx():
+            out["native bf16 no-AMX"] = (lambda i, xd=xd, ws=packed: _without_amx(lambda: native(xd, ws[i], n)),
+                                         plain[0].nbytes)
     if with_torch:
         import torch
 
@@ -67,6 +70,20 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
         if err > tol:
             raise AssertionError(f"{name} at {m}x{k}x{n}: max error {err:.2e} of the largest output")
     return out
+
+
+def _without_amx(call):
+    """``call()`` with the native kernel's AMX path off, finished before it is switched back on
+    (the kernel reads the switch when it runs, not when it is dispatched)."""
+    from pallas_kernels.cpu_matmul import use_amx
+
+    use_amx(False)
+    try:
+        y = call()
+        _block(y)
+        return y
+    finally:
+        use_amx(True)
 
 
 def _time_alternating(variants: dict, iters: int, copies: int) -> dict[str, list[float]]:
@@ -105,13 +122,14 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
                 row[name] = {"ms": sec * 1e3, "min_ms": min(ts) * 1e3, "gflops": 2 * m * k * n / sec / 1e9,
                              "weight_gbs": variants[name][1] / sec / 1e9}
             rows.append(row)
-            _print_row(row, header=len(rows) == 1, with_torch=with_torch)
+            _print_row(row, header=len(rows) == 1)
             del variants
     return rows
 
 
-def _print_row(row: dict, header: bool, with_torch: bool) -> None:
-    cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16"] + (["torch bf16"] if with_torch else [])
+def _print_row(row: dict, header: bool) -> None:
+    cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16"]
+    cols += [c for c in ("native bf16 no-AMX", "torch bf16") if c in row]
     if header:
         print(f"{'M x K x N':>18}" + "".join(f"{c + ' ms':>17}" for c in cols)
               + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"

@@ -50,7 +50,8 @@ class EngineArgs:
                                   "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
                                   "(cpu) if it was built at install, else plain XLA ops (xla).")
     matmul_backend: str = _arg("auto", f"Dense projections, one of {MATMUL_BACKENDS}: auto = on one CPU device the "
-                               "native C++ matmul (cpu; weights packed once at load; AVX512-BF16 in bfloat16) "
+                               "native C++ matmul (cpu; weights packed once at load; bfloat16 on AMX tiles or AVX512-BF16 where the "
+                               "CPU has them) "
                                "if it was built at install, else XLA's dot (xla).")
     quantization: str = _arg("auto", f"Weights kept quantized, one of {QUANTIZATIONS}: auto = a GGUF's Q4_0 / Q4_1 / "
                              "Q8_0 projections stay in their blocks (a fifth of the bytes, results bit-identical "

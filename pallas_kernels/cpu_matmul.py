@@ -6,7 +6,8 @@ native kernel takes a weight packed once on the host (:func:`pack_weight`) into 
 register-blocked micro-kernels (12 rows x 32 columns) read front to back, streams each panel once
 for all rows when there are few rows, and spreads (row block, panel) units over XLA's intra-op
 thread pool. float32 computes in float32; bfloat16 multiplies bfloat16 pairs and accumulates in
-float32 (AVX512-BF16 where the CPU has it), then rounds the output to bfloat16 (nearest even), or
+float32 (AVX512-BF16 where the CPU has it; AMX tiles where it has those and K is a multiple of 32,
+see ``use_amx``), then rounds the output to bfloat16 (nearest even), or
 returns the float32 sums as they are when asked (``out_dtype``).
 
 Packed layout (``pack_weight(w, dtype)`` for ``w[K, N]``): an array ``[P, K, 32]`` of ``dtype``
@@ -43,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import register_cpu_targets
+from pallas_kernels.native import load_library, register_cpu_targets
 
+_LIBRARY = "pallas_kernels._matmul_cpu"
 _TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
 PANEL = 32  # columns per packed panel
 QUANT_BLOCK = 32  # k rows sharing a column's scale and offset
@@ -54,8 +56,16 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 @functools.cache
 def native_matmul_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    return register_cpu_targets("pallas_kernels._matmul_cpu",
-                                {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"})
+    return register_cpu_targets(_LIBRARY, {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"})
+
+
+def use_amx(enable: bool | None = None) -> bool:
+    """Whether bfloat16 products run on AMX tiles (Intel Sapphire Rapids and later: the CPU has
+    AMX-BF16 and Linux grants this process the tile state). ``enable`` switches it for the process
+    (default on where usable; benchmarks and tests compare the paths). False without the kernel."""
+    if not native_matmul_available():
+        return False
+    return bool(load_library(_LIBRARY).JaxpagedMatmulAmx(-1 if enable is None else int(enable)))
 
 
 def _checked_dtype(dtype) -> np.dtype:

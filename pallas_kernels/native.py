@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 
 import jax
 
 
-def register_cpu_targets(library: str, targets: dict[str, str]) -> bool:
-    """Load the shared library of module ``library`` (found without importing it) and register each
-    XLA FFI target name -> exported handler symbol on the CPU platform; False if it was not built."""
+@functools.cache
+def load_library(library: str) -> ctypes.CDLL | None:
+    """The shared library of module ``library`` (found without importing it); None if it was not built."""
     spec = importlib.util.find_spec(library)
     if spec is None or spec.origin is None:
+        return None
+    return ctypes.cdll.LoadLibrary(spec.origin)
+
+
+def register_cpu_targets(library: str, targets: dict[str, str]) -> bool:
+    """Load ``library`` (``load_library``) and register each XLA FFI target name -> exported handler
+    symbol on the CPU platform; False if it was not built."""
+    lib = load_library(library)
+    if lib is None:
         return False
-    lib = ctypes.cdll.LoadLibrary(spec.origin)
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_quantized, pack_weight
+from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_quantized, pack_weight, use_amx
 
 pytestmark = pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
 
@@ -252,3 +252,28 @@ def test_quantized_errors():
         pack_quantized(codes, scale[:, :5], offset)
     with pytest.raises(ValueError, match="0..255"):
         pack_quantized(codes + 250, scale, offset)
+
+
+@pytest.mark.skipif(not use_amx(), reason="no AMX on this CPU (or the kernel was built without it)")
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (15, 64, 33), (17, 576, 100), (33, 1536, 64), (300, 576, 200)])
+def test_bfloat16_on_amx_tiles_and_on_vectors(m, k, n, out_dtype):
+    """On an AMX CPU bfloat16 with more than 12 rows runs on tiles (K a multiple of 32), within the
+    bfloat16 bound of the reference whatever the rows left over after 16 / 32; fewer rows stay on
+    the vector kernel."""
+    x, w = _data(m, k, n, seed=k + m)
+    call = (lambda: np.asarray(matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pack_weight(w, jnp.bfloat16)), n,
+                                      out_dtype), np.float64))
+    try:
+        assert use_amx(False) is False
+        vectors = call()
+        assert use_amx(True) is True
+        tiles = call()
+    finally:
+        use_amx(True)
+    for got in (vectors, tiles):
+        _check_bf16(got, x, w)
+    if m <= 12:
+        np.testing.assert_array_equal(vectors, tiles)
+    elif out_dtype == jnp.float32:    # float32 sums in another order differ somewhere: the tiles did run
+        assert not np.array_equal(vectors, tiles)

@@ -45,6 +45,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define JAXPAGED_AMX 1
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -391,6 +397,97 @@ constexpr auto QuantTable(std::index_sequence<R...>) {
   return std::array<QuantFn, sizeof...(R)>{&MicroQuantF32<static_cast<int>(R) + 1, kBits>...};
 }
 
+
+#if defined(JAXPAGED_AMX)
+// ---------------------------------------------------------------------------------------------
+// AMX (Intel Sapphire Rapids and later): bfloat16 units through the tile registers. The packed
+// bfloat16 panel is already AMX's B layout: a pair row (w[2q, c], w[2q+1, c]) for 32 columns is
+// 128 bytes, so 16 pair rows (32 k) of 16 columns are one B tile read with a 128-byte stride, and
+// the next 16 columns the tile 64 bytes on. x rows are A tiles as they lie. A unit computes 32-row
+// slices of its rows: two A tiles, two B tiles, four 16 x 16 float32 accumulator tiles, then
+// stores them through the same rounding as the vector kernels. K must be a multiple of 32. Units
+// of at most kMR rows stay on the vector kernels, which stream a weight from memory a little
+// faster (the tiles win 2-5x from 64 rows on: benchmarks/matmul.py).
+
+// The CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tile data (asked once).
+bool AmxUsable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+std::atomic<bool> amx_enabled{true};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 accumulate rows 0..15 of the slice (columns 0..15, 16..31), 2, 3 rows 16..31;
+// 4, 5 hold those rows of x, 6, 7 the two column halves of the panel's 32 k.
+template <typename O>
+__attribute__((target("amx-tile,amx-bf16"))) void AmxPanel(const uint16_t* a, int64_t lda, const uint16_t* b,
+                                                            int64_t k, O* c, int64_t ldc, int64_t cols,
+                                                            int64_t rows) {
+  alignas(64) float acc[32][kNR];
+  int configured[2] = {-1, -1};
+  for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+    const int m0 = static_cast<int>(std::min<int64_t>(16, rows - r0));
+    const int m1 = static_cast<int>(std::clamp<int64_t>(rows - r0 - 16, 0, 16));
+    if (configured[0] != m0 || configured[1] != m1) {
+      TileConfig cfg;
+      const int tile_rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+      for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = static_cast<uint8_t>(tile_rows[t]);
+        cfg.colsb[t] = tile_rows[t] ? 64 : 0;
+      }
+      _tile_loadconfig(&cfg);
+      configured[0] = m0;
+      configured[1] = m1;
+    }
+    const uint16_t* a0 = a + r0 * lda;
+    const uint16_t* a1 = a0 + 16 * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (m1) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      const uint16_t* bk = b + kk * kNR;  // pair row kk / 2
+      _tile_loadd(6, bk, 4 * kNR);
+      _tile_loadd(7, bk + 32, 4 * kNR);
+      _tile_loadd(4, a0 + kk, 2 * lda);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (m1) {
+        _tile_loadd(5, a1 + kk, 2 * lda);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, &acc[0][0], 4 * kNR);
+    _tile_stored(1, &acc[0][16], 4 * kNR);
+    if (m1) {
+      _tile_stored(2, &acc[16][0], 4 * kNR);
+      _tile_stored(3, &acc[16][16], 4 * kNR);
+    }
+    for (int r = 0; r < m0 + m1; ++r) {
+      __m512 row[1][2] = {{_mm512_load_ps(acc[r]), _mm512_load_ps(acc[r] + 16)}};
+      StoreTile<1>(row, c + (r0 + r) * ldc, ldc, cols);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Work split and execution.
 
@@ -445,6 +542,14 @@ void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
   const int64_t groups = (rows + kMR - 1) / kMR;
   const T* b = job.w + panel * p.k * kNR;
   const int64_t cols = std::min(kNR, p.n - panel * kNR);
+#if defined(JAXPAGED_AMX)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (rows > kMR && p.k % 32 == 0 && amx_enabled.load(std::memory_order_relaxed) && AmxUsable()) {
+      AmxPanel(job.x + row0 * p.k, p.k, b, p.k, job.out + row0 * p.n + panel * kNR, p.n, cols, rows);
+      return;
+    }
+  }
+#endif
   // With few row groups (the weight is read from memory about as fast as it is used), each
   // group prefetches its share of the next panel into L2.
   const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
@@ -662,3 +767,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulQuantCpu, QuantMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether bfloat16 products use AMX: 1 if they do (the CPU and kernel allow it and it is enabled),
+// 0 if not; `enable` 0 or 1 switches it (benchmarks and tests compare the paths), -1 only asks.
+extern "C" int JaxpagedMatmulAmx(int enable) {
+#if defined(JAXPAGED_AMX)
+  if (enable >= 0) amx_enabled.store(enable != 0);
+  return amx_enabled.load() && AmxUsable() ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
