@@ -295,10 +295,16 @@ class DecoderForCausalLM(nn.Module):
         return logits.astype(jnp.float32), kv_pages
 
 
+def runs_quantized(dtype: Any, backend: str) -> bool:
+    """Whether kernels with ``kernel_blocks`` run as quantized weights: the native CPU matmul's
+    quantized path is float32 only."""
+    return backend == "cpu" and jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+
+
 def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backend: str) -> dict:
     """The param tree the model runs with on ``backend``: as stored for ``xla``; for ``cpu`` every
     dense kernel packed for the native matmul (host numpy, once), plus a tied model's ``lm_head``
-    (its embedding, transposed, packed). In float32 a kernel that came with
+    (its embedding, transposed, packed). Where ``runs_quantized``, a kernel that came with
     ``kernel_blocks`` (``convert_hf``) is the native matmul's quantized weight instead (bit-identical
     results, a fifth of the bytes). ``kernel_blocks`` never stay in the tree."""
     blocks, plain = {}, {}
@@ -316,7 +322,7 @@ def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backen
         return plain
     if cfg.tie_word_embeddings:
         plain["lm_head"] = {"kernel": np.asarray(plain["embed_tokens"]["embedding"]).T}
-    quantize = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    quantize = runs_quantized(dtype, backend)
 
     def pack(path, a):
         if path[-1].key != "kernel":

@@ -13,7 +13,7 @@ import numpy as np
 
 from models import gpt2, llama, opt
 from models.decoder import (PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, pack_for_matmul_backend,
-                            parallel_style)
+                            parallel_style, runs_quantized)
 
 __all__ = ["PARALLEL_STYLE", "BuiltModel", "Family", "ModelShape", "build_model", "column_sections",
            "parallel_style", "supported_architectures"]
@@ -79,7 +79,9 @@ def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
     Q4_0 / Q4_1 / Q8_0) stay quantized."""
     arch, cfg = config_from_hf(hf_config)
     if params is None:
-        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype, quantized)
+        # Blocks are fused only where they will run (not for bfloat16 or XLA's dot).
+        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype,
+                                                     quantized if runs_quantized(dtype, matmul_backend) else None)
     params = pack_for_matmul_backend(params, cfg, dtype, matmul_backend)
     module = DecoderForCausalLM(cfg, dtype, attention_backend, matmul_backend=matmul_backend)
     return BuiltModel(module, params, model_shape(cfg))
