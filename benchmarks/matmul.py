@@ -2,9 +2,10 @@
 
 For each weight shape of SmolLM2-135M (fused qkv 576x960, o 576x576, fused gate/up 576x3072,
 down 1536x576, LM head 576x49152) and each M, times one jitted call of XLA float32, XLA bfloat16,
-native float32, native float32 on the quantized weight (4-bit codes, as a Q4_1 GGUF's; the weight
-is a random one quantized that way, so every variant multiplies the same numbers) and native
-bfloat16 (and torch bfloat16 with ``--torch``) in this one process,
+native float32, native bfloat16, and both on the quantized weight (4-bit codes, as a Q4_1 GGUF's; the
+weight is a random one quantized that way, so every variant multiplies the same numbers; "q4 x" and
+"q4 bf16 x" are the dense native time over the quantized one), and torch bfloat16 with ``--torch``,
+in this one process,
 alternating the variants call by call, and reports the median ms, GFLOP/s and GB/s of weights
 (weight bytes / time: the streaming rate that bounds small M); the JSON also has the fastest call. ``--cold`` cycles through enough
 copies of each weight (>= 96 MiB) that the weights come from memory, not the 32 MiB L3, as they do
@@ -49,10 +50,9 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
         packed = [jnp.asarray(pack_weight(w, dtype)) + 0 for _ in range(copies)]
         out[f"xla {tag}"] = (lambda i, xd=xd, ws=plain: xla(xd, ws[i]), plain[0].nbytes)
         out[f"native {tag}"] = (lambda i, xd=xd, ws=packed: native(xd, ws[i], n), plain[0].nbytes)
-        if tag == "f32":
-            quant = [jnp.asarray(pack_quantized(codes, scale, low)) + 0 for _ in range(copies)]
-            out["native q4 f32"] = (lambda i, xd=xd, ws=quant: native(xd, ws[i], n), quant[0].nbytes)
-        elif use_amx():
+        quant = [jnp.asarray(pack_quantized(codes, scale, low)) + 0 for _ in range(copies)]
+        out[f"native q4 {tag}"] = (lambda i, xd=xd, ws=quant: native(xd, ws[i], n), quant[0].nbytes)
+        if tag == "bf16" and use_amx():
             out["native bf16 no-AMX"] = (lambda i, xd=xd, ws=packed: _without_amx(lambda: native(xd, ws[i], n)),
                                          plain[0].nbytes)
     if with_torch:
@@ -128,18 +128,19 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
 
 
 def _print_row(row: dict, header: bool) -> None:
-    cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16"]
+    cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16", "native q4 bf16"]
     cols += [c for c in ("native bf16 no-AMX", "torch bf16") if c in row]
     if header:
         print(f"{'M x K x N':>18}" + "".join(f"{c + ' ms':>17}" for c in cols)
-              + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"
+              + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'q4 bf16 x':>10}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"
               + f"{'nat bf16 GF/s':>14}{'GB/s':>6}")
     shape = f"{row['m']} x {row['k']} x {row['n']}"
     f32x = row["xla f32"]["ms"] / row["native f32"]["ms"]
     q4x = row["native f32"]["ms"] / row["native q4 f32"]["ms"]
     bf16x = row["xla bf16"]["ms"] / row["native bf16"]["ms"]
+    q4bf16x = row["native bf16"]["ms"] / row["native q4 bf16"]["ms"]
     print(f"{shape:>18}" + "".join(f"{row[c]['ms']:>17.3f}" for c in cols)
-          + f"{f32x:>7.2f}{q4x:>6.2f}{bf16x:>7.2f}{row['native f32']['gflops']:>13.0f}"
+          + f"{f32x:>7.2f}{q4x:>6.2f}{bf16x:>7.2f}{q4bf16x:>10.2f}{row['native f32']['gflops']:>13.0f}"
           + f"{row['native f32']['weight_gbs']:>6.1f}{row['native q4 f32']['weight_gbs']:>8.1f}"
           + f"{row['native bf16']['gflops']:>14.0f}{row['native bf16']['weight_gbs']:>6.1f}", flush=True)
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.workload import WorkloadRequest, synthetic
+from jaxpaged.config import keeps_quantized_blocks
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -117,9 +118,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of each system")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (both systems)")
-    ap.add_argument("--quantization", default="auto,none",
+    ap.add_argument("--quantization", default="auto,gguf,none",
                     help="jaxpaged's EngineArgs.quantization values to run (comma-separated): auto keeps a GGUF's "
-                         "Q4_1/Q8_0 weights quantized in float32 (q-weights), none dequantizes them as the peers do")
+                         "Q4_1/Q8_0 weights quantized in float32 (q-weights), gguf in bfloat16 too, none "
+                         "dequantizes them as the peers do; a value giving a dtype the same engine as an "
+                         "earlier one is skipped")
     ap.add_argument("--rounds", type=int, default=3, help="timed generate() calls per system and dtype")
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
@@ -130,8 +133,12 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     rows, runs = [], []
     quantizations = args.quantization.split(",")
-    # Only float32 has weights to keep quantized (the native matmul's quantized path is float32).
-    for dtype, quantization in [(d, q) for d in dtypes for q in (quantizations if d == "float32" else quantizations[:1])]:
+    # One run per distinct engine: per dtype, quantized blocks kept or not.
+    kept = {}
+    for d in dtypes:
+        for q in quantizations:
+            kept.setdefault((d, keeps_quantized_blocks(q, d)), q)
+    for (dtype, _), quantization in kept.items():
         engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
                            kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching,

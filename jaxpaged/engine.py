@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
-from jaxpaged.config import EngineArgs, EngineConfig
+from jaxpaged.config import EngineArgs, EngineConfig, keeps_quantized_blocks
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
 from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
@@ -160,7 +160,7 @@ class LLMEngine:
                                         cache_dir=config.cache_dir and os.path.join(config.cache_dir, "tokenizers"))
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
                             params=ckpt.params, matmul_backend=matmul,
-                            quantized=ckpt.quantized if config.quantization == "auto" else None)
+                            quantized=ckpt.quantized if keeps_quantized_blocks(config.quantization, mc.dtype) else None)
         del ckpt
         if mesh is not None:
             model = parallel.shard_model(model, mesh)

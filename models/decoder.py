@@ -295,10 +295,10 @@ class DecoderForCausalLM(nn.Module):
         return logits.astype(jnp.float32), kv_pages
 
 
-def runs_quantized(dtype: Any, backend: str) -> bool:
-    """Whether kernels with ``kernel_blocks`` run as quantized weights: the native CPU matmul's
-    quantized path is float32 only."""
-    return backend == "cpu" and jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+def runs_quantized(backend: str) -> bool:
+    """Whether kernels with ``kernel_blocks`` run as quantized weights: on the native CPU matmul
+    (in float32 and bfloat16), not on XLA's dot."""
+    return backend == "cpu"
 
 
 def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backend: str) -> dict:
@@ -322,7 +322,7 @@ def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backen
         return plain
     if cfg.tie_word_embeddings:
         plain["lm_head"] = {"kernel": np.asarray(plain["embed_tokens"]["embedding"]).T}
-    quantize = runs_quantized(dtype, backend)
+    quantize = runs_quantized(backend)
 
     def pack(path, a):
         if path[-1].key != "kernel":

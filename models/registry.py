@@ -79,9 +79,9 @@ def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
     Q4_0 / Q4_1 / Q8_0) stay quantized."""
     arch, cfg = config_from_hf(hf_config)
     if params is None:
-        # Blocks are fused only where they will run (not for bfloat16 or XLA's dot).
+        # Blocks are fused only where they will run (not for XLA's dot).
         params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype,
-                                                     quantized if runs_quantized(dtype, matmul_backend) else None)
+                                                     quantized if runs_quantized(matmul_backend) else None)
     params = pack_for_matmul_backend(params, cfg, dtype, matmul_backend)
     module = DecoderForCausalLM(cfg, dtype, attention_backend, matmul_backend=matmul_backend)
     return BuiltModel(module, params, model_shape(cfg))

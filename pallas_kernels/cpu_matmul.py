@@ -20,14 +20,15 @@ columns ``32p .. 32p + 31``; its ``K * 32`` elements are contiguous:
   ``w[2q, c], w[2q+1, c]`` for ``c = 32p .. 32p + 31``. For odd ``K`` the last row
   ``packed[p, K - 1, j] = w[K - 1, 32p + j]`` is stored plain.
 
-Quantized weights (``pack_quantized``): a float32 weight that came as GGUF-style affine blocks
+Quantized weights (``pack_quantized``): a weight that came as GGUF-style affine blocks
 (``w[k, c] = codes[k, c] * scale[k // 32, c] + offset[k // 32, c]``, codes in 0..15 or 0..255, as
 llama.cpp's Q4_0 / Q4_1 / Q8_0 store them) can be kept that way: 5 or 9 bits per weight instead of
-32. The kernel rebuilds each weight exactly (``codes * scale`` is exact in float32 for such codes
-and float16 scales, so the one rounding is the addition's) and sums in the dense kernel's order, so
-the result is bit-identical to the float32 matmul of the dequantized weight. Few rows rebuild the
-weights in registers as they stream them (a decode step reads a sixth of the bytes); many rows
-rebuild each panel once into cache and run the dense micro-kernels. Layout: a uint8 array
+32 (or 16). The kernel rebuilds each weight exactly (``codes * scale`` is exact in float32 for such
+codes and float16 scales, so the one rounding is the addition's), for bfloat16 ``x`` rounds it to
+bfloat16 as ``pack_weight`` would, and sums in the dense kernel's order, so the result is
+bit-identical to the dense matmul of the dequantized weight in either dtype. Few rows rebuild the
+weights in registers as they stream them (a decode step reads a sixth, in bfloat16 a third, of the
+bytes); many rows rebuild each panel once into cache and run the dense micro-kernels (or tiles). Layout: a uint8 array
 ``[P, K * (c + 8)]``, panel ``p`` (columns ``32p .. 32p + 31``) holding its codes, ``K`` rows of
 ``c`` bytes (``c = 16``: byte ``j`` holds column ``j`` in its low nibble and column ``j + 16`` in
 its high one; ``c = 32``: one byte per column), then per block of 32 rows the 32 columns' scales
@@ -129,7 +130,8 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     ``x`` are multiplied, the output's other rows are zeros. A batch padded to a bucket of ``M``
     tokens pays for its real tokens only, with one compiled program per bucket.
 
-    ``packed`` may also be a quantized weight (``pack_quantized``, uint8) for float32 ``x``.
+    ``packed`` may also be a quantized weight (``pack_quantized``, uint8), for either dtype of ``x``:
+    the result is the same as with ``pack_weight`` of the dequantized weight (cast to x's dtype).
 
     Jittable with ``n`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
     ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
@@ -146,8 +148,6 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     n, k = int(n), x.shape[1]
     quantized = jnp.dtype(packed.dtype) == jnp.dtype(jnp.uint8)
     if quantized:
-        if dtype != jnp.dtype(jnp.float32):
-            raise ValueError(f"a quantized weight (pack_quantized) needs float32 x, got {dtype}")
         if packed.ndim != 2 or k == 0 or k % QUANT_BLOCK or packed.shape[1] not in (k * 24, k * 40):
             raise ValueError(f"the quantized weight of shape {packed.shape} does not fit x[M, {k}]: expected "
                              f"[P, {k} * 24 or {k} * 40] with K a positive multiple of {QUANT_BLOCK}")

@@ -216,6 +216,32 @@ def test_quantized_weight_is_bit_identical_to_its_dense_float32_weight(m, bits, 
     assert not got[m:].any()
 
 
+# The in-register path (<= 12 rows in 8-row groups), the dense kernels on a rebuilt panel (vectors, or
+# tiles on an AMX CPU, as the dense weight's units take them), several row blocks; bfloat16 or
+# float32 out (logits).
+@pytest.mark.parametrize("amx", [False, True] if use_amx() else [False])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m", [1, 9, 12, 13, 40, 300])
+@pytest.mark.parametrize("bits,k,n", [(4, 576, 960), (8, 64, 49)])
+def test_quantized_weight_is_bit_identical_to_its_dense_bfloat16_weight(m, bits, k, n, out_dtype, amx):
+    """bfloat16 x: each rebuilt weight is rounded to bfloat16 as pack_weight rounds the dequantized
+    one, and the sums are the dense kernel's, so the outputs are equal to the last bit."""
+    codes, scale, offset, w = _affine(k, n, bits, seed=m)
+    x = np.random.default_rng(2).standard_normal((m + 3, k)).astype(np.float32)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    try:
+        use_amx(amx)
+        got = np.asarray(matmul(xb, jnp.asarray(pack_quantized(codes, scale, offset)), n, out_dtype, num_rows=m),
+                         np.float64)
+        dense = np.asarray(matmul(xb, jnp.asarray(pack_weight(w, jnp.bfloat16)), n, out_dtype, num_rows=m),
+                           np.float64)
+    finally:
+        use_amx(True)
+    np.testing.assert_array_equal(got, dense)
+    _check_bf16(got[:m], x[:m], w)
+    assert not got[m:].any()
+
+
 def test_quantized_layout_is_as_documented():
     k, n = 64, 40
     codes, scale, offset, _ = _affine(k, n, 4)
@@ -240,8 +266,10 @@ def test_quantized_errors():
     codes, scale, offset, _ = _affine(64, 10, 4)
     quant = jnp.asarray(pack_quantized(codes, scale, offset))
     x = jnp.ones((2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="needs float32 x"):
-        matmul(x.astype(jnp.bfloat16), quant, 10)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        matmul(x.astype(jnp.float16), quant, 10)
+    with pytest.raises(ValueError, match="out_dtype must be x's dtype"):
+        matmul(x, quant, 10, jnp.bfloat16)
     with pytest.raises(ValueError, match="does not fit"):
         matmul(x[:, :32], quant, 10)
     with pytest.raises(ValueError, match="n=40 does not match"):

@@ -43,23 +43,27 @@ def test_greedy_matches_transformers(engine_args, prompts, reference):
     assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
 
 
-def test_quantized_weights_give_bit_identical_results(prompts):
-    """By default the Q4_1 projections and the Q8_0 embedding (the tied LM head) run as quantized
-    weights; they rebuild the dequantized float32 weights exactly and sum in the same order, so
-    tokens and logprobs equal those of quantization="none" to the last bit."""
+@pytest.mark.parametrize("dtype,quantizations", [("float32", ("auto", "none")),
+                                                  ("bfloat16", ("gguf", "none", "auto"))])
+def test_quantized_weights_give_bit_identical_results(prompts, dtype, quantizations):
+    """The Q4_1 projections and the Q8_0 embedding (the tied LM head) run as quantized weights by
+    default in float32, and with quantization="gguf" in bfloat16 too; they rebuild the dequantized
+    weights exactly (in bfloat16, rounded as the dequantized weights are) and sum in the same order,
+    so tokens and logprobs equal those of quantization="none" to the last bit. In bfloat16 "auto"
+    keeps the dense weights."""
     import jax.numpy as jnp
     import jax.tree_util as tu
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     results, kinds = [], []
-    for quantization in ("auto", "none"):
-        llm = LLM(quantization=quantization, precompile=False, max_num_seqs=4)
+    for quantization in quantizations:
+        llm = LLM(quantization=quantization, dtype=dtype, precompile=False, max_num_seqs=4)
         kinds.append(sorted({str(a.dtype) for a in tu.tree_leaves(llm.engine.runner.model.params) if a.ndim >= 2}))
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)])
         num_quantized = sum(a.dtype == jnp.uint8 for a in tu.tree_leaves(llm.engine.runner.model.params))
-        assert num_quantized == (30 * 4 + 1 if quantization == "auto" else 0)
-    assert kinds == [["float32", "uint8"], ["float32"]]
-    assert results[0] == results[1]
+        assert num_quantized == (30 * 4 + 1 if kinds[-1] == [dtype, "uint8"] else 0)
+    assert kinds == [[dtype, "uint8"]] + [[dtype]] * (len(quantizations) - 1)
+    assert all(r == results[0] for r in results[1:])
 
 
 def test_cli_generate_prints_completion():

@@ -20,15 +20,16 @@
 // over XLA's intra-op thread pool (see RunGemm). Accumulation is in float32; bfloat16 results are
 // rounded to nearest even, unless the caller asks for float32 out (bfloat16 x and weight).
 //
-// A second target (JaxpagedMatmulQuantCpu) takes a float32 weight as GGUF-style affine blocks,
+// A second target (JaxpagedMatmulQuantCpu) takes the weight as GGUF-style affine blocks,
 // w[k, c] = code * scale + offset with one (scale, offset) per 32 consecutive k of a column,
 // in a uint8 array [P, K * (c + 8)]: panel p holds its codes, K rows of c bytes (c = 16: 4-bit
 // codes, byte j holding column j in its low nibble and column j + 16 in its high one; c = 32: one
 // byte per column), then per block of 32 rows the 32 columns' scales and the 32 offsets (floats).
 // Each weight is rebuilt exactly (code * scale is exact in float32 for codes below 2^8 and float16
 // scales, so the fused multiply-add rounds once, like code * scale + offset), in registers for a
-// unit of few rows, into a cached float32 panel for more; the sums run in the dense kernel's order,
-// so the result is bit-identical to the float32 product with the dequantized weight.
+// unit of few rows, into a cached dense panel for more; the sums run in the dense kernel's order,
+// so the result is bit-identical to the dense product with the dequantized weight: in float32, or
+// for bfloat16 x with the dequantized weight rounded to bfloat16 (as pack_weight rounds it).
 
 #include <algorithm>
 #include <array>
@@ -68,7 +69,8 @@ constexpr int64_t kAheadGroups = 4;            // up to this many row groups pre
 constexpr int64_t kPrefetchMinRows = 5;        // fewer rows: no software prefetch at all
 constexpr int64_t kQuantBlock = 32;            // k rows sharing one (scale, offset) per column
 constexpr int kQuantMR = 8;                    // most rows per quantized micro-kernel call,
-constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for
+constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for:
+constexpr int64_t kQuantDirectRowsBf16 = 4;    // more rows make the bfloat16 rebuild the bottleneck
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
 // it from L3 or memory and prefetches it into L1 some rows ahead (kNear); with few row groups
@@ -304,6 +306,61 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* 
   });
 }
 
+// The vdpbf16ps operand of two rebuilt weight rows (lo = row 2q, hi = row 2q + 1; 16 columns):
+// per column the pair (bf16(lo), bf16(hi)) in one 32-bit lane, each rounded to nearest even as
+// pack_weight rounds a dequantized weight (the rebuilt weights are finite).
+inline __m512i PairWords(__m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+  const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(kInterleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+  const auto rounded = [](__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  };
+  return _mm512_or_si512(_mm512_srli_epi32(rounded(lo), 16),
+                         _mm512_and_si512(rounded(hi), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+#endif
+}
+
+// Calls f(q, b0, b1) for each pair row q of a quantized panel, in order, with its rebuilt weights
+// as the packed bfloat16 panel holds them (columns 0..15, 16..31).
+template <int kBits, typename F>
+inline void ForEachRebuiltPair(const uint8_t* codes, const float* qparams, int64_t k, F&& f) {
+  __m512 lo0, lo1;  // the pair's first row (k even: every row has its partner)
+  ForEachRebuiltRow<kBits>(codes, qparams, k, [&](int64_t i, __m512 b0, __m512 b1) {
+    if (i % 2 == 0) {
+      lo0 = b0;
+      lo1 = b1;
+    } else {
+      f(i / 2, PairWords(lo0, b0), PairWords(lo1, b1));
+    }
+  });
+}
+
+// Few rows, bfloat16: the dense kernel's pair steps on pairs rebuilt in registers, so the same
+// products and sums as with the packed bfloat16 weight (the dequantized weight, rounded).
+template <int R, int kBits, typename O>
+void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, O* c,
+                    int64_t ldc, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  ForEachRebuiltPair<kBits>(codes, qparams, k, [&](int64_t q, __m512i b0, __m512i b1) {
+    PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, b0, b1);
+  });
+  StoreTile<R>(acc, c, ldc, cols);
+}
+
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_t* panel) {
+  ForEachRebuiltPair<kBits>(codes, qparams, k, [&](int64_t q, __m512i b0, __m512i b1) {
+    _mm512_storeu_si512(panel + q * 2 * kNR, b0);
+    _mm512_storeu_si512(panel + q * 2 * kNR + kNR, b1);
+  });
+}
+
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
 template <int R, int>
@@ -357,12 +414,29 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* 
   }
 }
 
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_t* panel) {
+  std::vector<float> rows(k * kNR);
+  RebuildPanel<kBits>(codes, qparams, k, rows.data());
+  for (int64_t q = 0; q < k / 2; ++q)
+    for (int64_t j = 0; j < kNR; ++j)
+      for (int64_t h = 0; h < 2; ++h) panel[q * 2 * kNR + 2 * j + h] = F32ToBf16(rows[(2 * q + h) * kNR + j]);
+}
+
 template <int R, int kBits>
 void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
                    int64_t ldc, int64_t cols) {
   std::vector<float> panel(k * kNR);
   RebuildPanel<kBits>(codes, qparams, k, panel.data());
   MicroF32<R, 0>(a, lda, panel.data(), k, c, ldc, cols, nullptr, 0);
+}
+
+template <int R, int kBits, typename O>
+void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, O* c,
+                    int64_t ldc, int64_t cols) {
+  std::vector<uint16_t> panel(k * kNR);
+  RebuildPanel<kBits>(codes, qparams, k, panel.data());
+  MicroBf16<R, 0, O>(a, lda, panel.data(), k, c, ldc, cols, nullptr, 0);
 }
 
 #endif
@@ -391,10 +465,19 @@ constexpr std::array<std::array<MicroFn<T, O>, kMR>, kPrefetchModes> MicroTables
   return {MicroTable<T, O, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
 }
 
-template <int kBits, size_t... R>
+template <int R, int kBits, typename T, typename O>
+constexpr auto MicroQuantFor() {
+  if constexpr (std::is_same_v<T, float>) {
+    return &MicroQuantF32<R, kBits>;
+  } else {
+    return &MicroQuantBf16<R, kBits, O>;
+  }
+}
+
+template <int kBits, typename T, typename O, size_t... R>
 constexpr auto QuantTable(std::index_sequence<R...>) {
-  using QuantFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
-  return std::array<QuantFn, sizeof...(R)>{&MicroQuantF32<static_cast<int>(R) + 1, kBits>...};
+  using QuantFn = void (*)(const T*, int64_t, const uint8_t*, const float*, int64_t, O*, int64_t, int64_t);
+  return std::array<QuantFn, sizeof...(R)>{MicroQuantFor<static_cast<int>(R) + 1, kBits, T, O>()...};
 }
 
 
@@ -531,6 +614,23 @@ inline void ForEachRowGroup(int64_t rows, F&& f) {
   }
 }
 
+// Whether a unit of `rows` rows of T (K = k) runs on AMX tiles rather than the vector kernels.
+template <typename T>
+inline bool TilesFor(int64_t rows, int64_t k) {
+#if defined(JAXPAGED_AMX)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return rows > kMR && k % 32 == 0 && amx_enabled.load(std::memory_order_relaxed) && AmxUsable();
+#endif
+  (void)rows;
+  (void)k;
+  return false;
+}
+
+#if !defined(JAXPAGED_AMX)
+template <typename O>
+void AmxPanel(const uint16_t*, int64_t, const uint16_t*, int64_t, O*, int64_t, int64_t, int64_t) {}
+#endif
+
 // Unit u; `more` if the same worker will most likely run u + 1 next.
 template <typename T, typename O>
 void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
@@ -542,14 +642,12 @@ void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
   const int64_t groups = (rows + kMR - 1) / kMR;
   const T* b = job.w + panel * p.k * kNR;
   const int64_t cols = std::min(kNR, p.n - panel * kNR);
-#if defined(JAXPAGED_AMX)
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (rows > kMR && p.k % 32 == 0 && amx_enabled.load(std::memory_order_relaxed) && AmxUsable()) {
+    if (TilesFor<T>(rows, p.k)) {
       AmxPanel(job.x + row0 * p.k, p.k, b, p.k, job.out + row0 * p.n + panel * kNR, p.n, cols, rows);
       return;
     }
   }
-#endif
   // With few row groups (the weight is read from memory about as fast as it is used), each
   // group prefetches its share of the next panel into L2.
   const char* next = reinterpret_cast<const char*>(b + p.k * kNR);
@@ -652,16 +750,20 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
   return true;
 }
 
-// out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes] (float32). Units as the dense Gemm's
-// (row block, panel); a unit of few rows rebuilds the weights in registers as it goes (the codes
-// are all it reads), one of more rows rebuilds its panel once into a float32 panel in cache
-// (thread-local) and runs the dense micro-kernels on it. False if the problem is too large.
-template <int kBits, typename Pool>
-bool QuantGemm(const float* x, const uint8_t* w, float* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
-  static constexpr auto kDirect = QuantTable<kBits>(std::make_index_sequence<kQuantMR>());
-  static constexpr auto kDense = MicroTables<float, float>(std::make_index_sequence<kPrefetchModes>());
+// out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes], x float32 or bfloat16 (T), out T or
+// float32 (O). Units as the dense Gemm's (row block, panel); a unit of few rows rebuilds the weights
+// in registers as it goes (the codes are all it reads), one of more rows rebuilds its panel once
+// into the dense layout in cache (thread-local) and runs the dense kernels on it. Either way each
+// output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
+// pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
+// Gemm's do. False if the problem is too large.
+template <int kBits, typename T, typename O, typename Pool>
+bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
+  static constexpr auto kDirect = QuantTable<kBits, T, O>(std::make_index_sequence<kQuantMR>());
+  static constexpr auto kDense = MicroTables<T, O>(std::make_index_sequence<kPrefetchModes>());
+  constexpr int64_t kDirectRows = std::is_same_v<T, float> ? kQuantDirectRows : kQuantDirectRowsBf16;
   if (m == 0 || n == 0) return true;
-  const Plan plan = MakePlan(m, k, n, sizeof(float), std::max<int64_t>(1, pool.num_threads()));
+  const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
   if (plan.units >= (int64_t{1} << 31)) return false;
   const int64_t code_bytes = k * kBits * kNR / 8;
   const int64_t panel_bytes = code_bytes + k / kQuantBlock * 2 * kNR * static_cast<int64_t>(sizeof(float));
@@ -671,17 +773,23 @@ bool QuantGemm(const float* x, const uint8_t* w, float* out, int64_t m, int64_t 
     const uint8_t* codes = w + panel * panel_bytes;
     const auto* qparams = reinterpret_cast<const float*>(codes + code_bytes);
     const int64_t cols = std::min(kNR, n - panel * kNR);
-    const float* a = x + row0 * k;
-    float* c = out + row0 * n + panel * kNR;
-    if (rows <= kQuantDirectRows) {
+    const T* a = x + row0 * k;
+    O* c = out + row0 * n + panel * kNR;
+    if (rows <= kDirectRows) {
       ForEachRowGroup<kQuantMR>(rows, [&](int64_t r0, int64_t r) {
         kDirect[r - 1](a + r0 * k, k, codes, qparams, k, c + r0 * n, n, cols);
       });
       return;
     }
-    thread_local std::vector<float> rebuilt;
+    thread_local std::vector<T> rebuilt;
     if (static_cast<int64_t>(rebuilt.size()) < k * kNR) rebuilt.resize(k * kNR);
     RebuildPanel<kBits>(codes, qparams, k, rebuilt.data());
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (TilesFor<T>(rows, k)) {
+        AmxPanel(a, k, rebuilt.data(), k, c, n, cols, rows);
+        return;
+      }
+    }
     ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
       kDense[0][r - 1](a + r0 * k, k, rebuilt.data(), k, c + r0 * n, n, cols, nullptr, 0);
     });
@@ -728,25 +836,41 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
 }
 
 // out[M, N] = x[M, K] @ a quantized weight w[P, K * (c + 8)] (c = 16 or 32 code bytes per panel row,
-// see the top of the file), float32; rows past `rows` are zero.
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+// see the top of the file); x float32 or bfloat16, out x's dtype or float32; rows past `rows` are zero.
+template <int kBits, typename Pool>
+bool QuantGemmAny(const ffi::AnyBuffer& x, const uint8_t* w, ffi::AnyBuffer& out, int64_t m, int64_t k, int64_t n,
+                  Pool& pool) {
+  if (x.element_type() == ffi::DataType::F32)
+    return QuantGemm<kBits>(static_cast<const float*>(x.untyped_data()), w, static_cast<float*>(out.untyped_data()),
+                            m, k, n, pool);
+  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
+  return out.element_type() == ffi::DataType::F32
+             ? QuantGemm<kBits>(xb, w, static_cast<float*>(out.untyped_data()), m, k, n, pool)
+             : QuantGemm<kBits>(xb, w, static_cast<uint16_t*>(out.untyped_data()), m, k, n, pool);
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || od[0] != xd[0] || (od[1] + kNR - 1) / kNR != wd[0])
     return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], a quantized weight [P, bytes], out[M,N]");
   if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
+  if (out->element_type() != x.element_type() && out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("matmul_cpu: out must be x's dtype or float32");
   const int64_t k = xd[1], n = od[1];
   const int64_t code_bytes = k == 0 ? 0 : wd[1] / k - 8;
   if (k % kQuantBlock != 0 || k == 0 || wd[1] % k != 0 || (code_bytes != kNR / 2 && code_bytes != kNR))
     return ffi::Error::InvalidArgument("matmul_cpu: the quantized weight's panels do not match K (a multiple of 32)");
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
-  float* o = out->typed_data();
-  const bool ok = code_bytes == kNR / 2 ? QuantGemm<4>(x.typed_data(), w.typed_data(), o, m, k, n, pool)
-                                        : QuantGemm<8>(x.typed_data(), w.typed_data(), o, m, k, n, pool);
+  const bool ok = code_bytes == kNR / 2 ? QuantGemmAny<4>(x, w.typed_data(), *out, m, k, n, pool)
+                                        : QuantGemmAny<8>(x, w.typed_data(), *out, m, k, n, pool);
   if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
-  std::memset(o + m * n, 0, (xd[0] - m) * n * sizeof(float));
+  const size_t row_bytes = n * ffi::ByteWidth(out->element_type());
+  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0, (xd[0] - m) * row_bytes);
   return ffi::Error::Success();
 }
 
@@ -763,10 +887,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulQuantCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
 
 // Whether bfloat16 products use AMX: 1 if they do (the CPU and kernel allow it and it is enabled),
 // 0 if not; `enable` 0 or 1 switches it (benchmarks and tests compare the paths), -1 only asks.
