@@ -56,7 +56,7 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
                    RequestStatus.FINISHED_ABORTED: "abort"}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request. Holds no device arrays."""
 

@@ -114,8 +114,10 @@ def test_overhead_phases_partition_the_step(tiny):
         assert min(phases) >= 0
         assert t.host <= t.step
         assert sum(phases) == pytest.approx(t.step)
+        # One thread's CPU time: within the step's, and no more than the wall time of the host phases.
+        assert 0 <= t.wait_cpu <= t.step_cpu and 0 <= t.host_cpu <= t.host + 1e-4
     row = overhead.summarize(timings, device_only)
-    assert set(row) == {*overhead.PHASES, "host", "step", "device_only", "exposed"}
+    assert set(row) == {*overhead.PHASES, "host", "host_cpu", "step", "device_only", "exposed"}
     assert row["host"] <= row["step"] + 1e-9 and row["exposed"] == pytest.approx(row["step"] - row["device_only"])
     # The wrappers are gone and the requests aborted.
     assert "schedule" not in vars(engine.scheduler) and "launch" not in vars(engine.runner)
