@@ -28,11 +28,11 @@ codes and float16 scales, so the one rounding is the addition's), for bfloat16 `
 bfloat16 as ``pack_weight`` would, and sums in the dense kernel's order, so the result is
 bit-identical to the dense matmul of the dequantized weight in either dtype. Few rows rebuild the
 weights in registers as they stream them (a decode step reads a sixth, in bfloat16 a third, of the
-bytes); many rows rebuild each panel once into cache and run the dense micro-kernels (or tiles). Layout: a uint8 array
-``[P, K * (c + 8)]``, panel ``p`` (columns ``32p .. 32p + 31``) holding its codes, ``K`` rows of
-``c`` bytes (``c = 16``: byte ``j`` holds column ``j`` in its low nibble and column ``j + 16`` in
-its high one; ``c = 32``: one byte per column), then per block of 32 rows the 32 columns' scales
-and the 32 offsets (float32, little-endian).
+bytes); many rows rebuild each panel once into cache and run the dense micro-kernels (or tiles).
+Layout: a uint8 array ``[P, K * (c + 8)]``, panel ``p`` (columns ``32p .. 32p + 31``) holding its
+codes, ``K`` rows of ``c`` bytes (``c = 16``: byte ``j`` holds column ``j`` in its low nibble and
+column ``j + 16`` in its high one; ``c = 32``: one byte per column), then per block of 32 rows the
+32 columns' scales and the 32 offsets (float32, little-endian).
 
 This module knows nothing about models; it only checks shapes and dtypes.
 """
