@@ -797,6 +797,31 @@ bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64
   return true;
 }
 
+// x float32 or bfloat16, out x's dtype or float32 (bfloat16 products' unrounded sums).
+ffi::Error CheckDtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out) {
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
+  if (out.element_type() != x.element_type() && out.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("matmul_cpu: out must be x's dtype or float32");
+  return ffi::Error::Success();
+}
+
+// f(x, out) with typed pointers (float/float, bf16/bf16 or bf16/float; CheckDtypes passed), then
+// out's rows from m on (a padded batch's padding) zeroed; an error if f says the problem is too large.
+template <typename F>
+ffi::Error RunTyped(const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int64_t m, F&& f) {
+  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
+  const bool ok = x.element_type() == ffi::DataType::F32
+                      ? f(static_cast<const float*>(x.untyped_data()), static_cast<float*>(out.untyped_data()))
+                  : out.element_type() == ffi::DataType::F32 ? f(xb, static_cast<float*>(out.untyped_data()))
+                                                             : f(xb, static_cast<uint16_t*>(out.untyped_data()));
+  if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
+  const auto od = out.dimensions();
+  const size_t row_bytes = od[1] * ffi::ByteWidth(out.element_type());
+  std::memset(static_cast<char*>(out.untyped_data()) + m * row_bytes, 0, (od[0] - m) * row_bytes);
+  return ffi::Error::Success();
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi::S32> rows,
                       ffi::Result<ffi::AnyBuffer> out) {
   const auto xd = x.dimensions();
@@ -811,44 +836,15 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);  // rows past it: padding
   if (x.element_type() != packed.element_type())
     return ffi::Error::InvalidArgument("matmul_cpu: x and the packed weight must share a dtype");
-  if (out->element_type() != x.element_type() && out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("matmul_cpu: out must be x's dtype or float32");
-  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
-  const auto* wb = static_cast<const uint16_t*>(packed.untyped_data());
-  bool ok;
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      ok = Gemm(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(packed.untyped_data()),
-                static_cast<float*>(out->untyped_data()), m, k, n, pool);
-      break;
-    case ffi::DataType::BF16:  // out in bfloat16, or float32 unrounded (logits)
-      ok = out->element_type() == ffi::DataType::F32
-               ? Gemm(xb, wb, static_cast<float*>(out->untyped_data()), m, k, n, pool)
-               : Gemm(xb, wb, static_cast<uint16_t*>(out->untyped_data()), m, k, n, pool);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
-  }
-  if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
-  const size_t row_bytes = n * ffi::ByteWidth(out->element_type());
-  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0, (xd[0] - m) * row_bytes);
-  return ffi::Error::Success();
+  if (ffi::Error e = CheckDtypes(x, *out); e.failure()) return e;
+  return RunTyped(x, *out, m, [&](const auto* a, auto* c) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(a)>>;
+    return Gemm(a, static_cast<const T*>(packed.untyped_data()), c, m, k, n, pool);
+  });
 }
 
 // out[M, N] = x[M, K] @ a quantized weight w[P, K * (c + 8)] (c = 16 or 32 code bytes per panel row,
 // see the top of the file); x float32 or bfloat16, out x's dtype or float32; rows past `rows` are zero.
-template <int kBits, typename Pool>
-bool QuantGemmAny(const ffi::AnyBuffer& x, const uint8_t* w, ffi::AnyBuffer& out, int64_t m, int64_t k, int64_t n,
-                  Pool& pool) {
-  if (x.element_type() == ffi::DataType::F32)
-    return QuantGemm<kBits>(static_cast<const float*>(x.untyped_data()), w, static_cast<float*>(out.untyped_data()),
-                            m, k, n, pool);
-  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
-  return out.element_type() == ffi::DataType::F32
-             ? QuantGemm<kBits>(xb, w, static_cast<float*>(out.untyped_data()), m, k, n, pool)
-             : QuantGemm<kBits>(xb, w, static_cast<uint16_t*>(out.untyped_data()), m, k, n, pool);
-}
-
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   const auto xd = x.dimensions();
@@ -857,21 +853,16 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || od[0] != xd[0] || (od[1] + kNR - 1) / kNR != wd[0])
     return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], a quantized weight [P, bytes], out[M,N]");
   if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
-  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("matmul_cpu: only float32 and bfloat16 are supported");
-  if (out->element_type() != x.element_type() && out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("matmul_cpu: out must be x's dtype or float32");
+  if (ffi::Error e = CheckDtypes(x, *out); e.failure()) return e;
   const int64_t k = xd[1], n = od[1];
   const int64_t code_bytes = k == 0 ? 0 : wd[1] / k - 8;
   if (k % kQuantBlock != 0 || k == 0 || wd[1] % k != 0 || (code_bytes != kNR / 2 && code_bytes != kNR))
     return ffi::Error::InvalidArgument("matmul_cpu: the quantized weight's panels do not match K (a multiple of 32)");
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
-  const bool ok = code_bytes == kNR / 2 ? QuantGemmAny<4>(x, w.typed_data(), *out, m, k, n, pool)
-                                        : QuantGemmAny<8>(x, w.typed_data(), *out, m, k, n, pool);
-  if (!ok) return ffi::Error::InvalidArgument("matmul_cpu: problem too large");
-  const size_t row_bytes = n * ffi::ByteWidth(out->element_type());
-  std::memset(static_cast<char*>(out->untyped_data()) + m * row_bytes, 0, (xd[0] - m) * row_bytes);
-  return ffi::Error::Success();
+  return RunTyped(x, *out, m, [&](const auto* a, auto* c) {
+    return code_bytes == kNR / 2 ? QuantGemm<4>(a, w.typed_data(), c, m, k, n, pool)
+                                 : QuantGemm<8>(a, w.typed_data(), c, m, k, n, pool);
+  });
 }
 
 }  // namespace
