@@ -115,15 +115,25 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF's rotate-half convention: ``x[T, H, D]`` rotated by per-token angles ``[T, D/2]``.
-    The halves are stacked on a new axis, not concatenated on the last: XLA's CPU fusion of the
-    concatenation ran 2x slower (it was 6% of a SmolLM2 workload's time)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """The step's rotary tables ``(C, S)``, each ``[T, 1, 2, D/2]``: ``C`` holds ``(cos, cos)`` and ``S``
+    ``(-sin, sin)`` of each token's angles, for ``apply_rope``. Computed once per step: behind an
+    optimization barrier, so XLA does not fuse the cosines and sines into every layer's rotation and
+    evaluate them there again for every head."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    tables = jnp.stack([cos, cos], axis=1)[:, None], jnp.stack([-sin, sin], axis=1)[:, None]
+    return jax.lax.optimization_barrier(tuple(t.astype(dtype) for t in tables))
+
+
+def apply_rope(x: jax.Array, C: jax.Array, S: jax.Array) -> jax.Array:
+    """HF's rotate-half convention on ``x[T, H, D]`` with ``rope_tables``: viewing each head as two
+    halves ``(x1, x2)``, the result is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` = ``x * C + swap(x) * S``,
+    where ``swap`` reverses the halves. Written so, XLA's CPU fusion ran 5-7x faster than stacking or
+    concatenating the two rotated halves (which took 5% of a SmolLM2 workload's time)."""
     T, H, D = x.shape
     halves = x.reshape(T, H, 2, D // 2)
-    x1, x2 = halves[:, :, 0], halves[:, :, 1]
-    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
-    return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=2).reshape(T, H, D)
+    return (halves * C + halves[:, :, ::-1] * S).reshape(T, H, D)
 
 
 def layer_name(i: int) -> str:
@@ -276,8 +286,7 @@ class DecoderForCausalLM(nn.Module):
             h = dense(c.hidden_size, name="project_in")(h, md.num_real_tokens)
         rope = None
         if c.position == "rope":
-            angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-            rope = jnp.cos(angles), jnp.sin(angles)
+            rope = rope_tables(positions, rope_inv_freq(c), self.dtype)
         else:
             h = h + Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, self.dtype,
                           name="embed_positions")(positions + c.position_offset)
