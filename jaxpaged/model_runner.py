@@ -115,14 +115,15 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-def _step(module, param_tree, param_leaves, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
+def _step(statics, param_leaves, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
           prev_tokens=None, num_logits=None):
-    # The params arrive as a flat tuple (``param_tree`` static): flattening SmolLM2's nested dict of
+    # The params arrive as a flat tuple (their structure static): flattening SmolLM2's nested dict of
     # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does.
-    params = jax.tree_util.tree_unflatten(param_tree, param_leaves)
+    params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_index is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    logits, kv_pages = module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices, num_logits)
+    logits, kv_pages = statics.module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices,
+                                            num_logits)
     return kv_pages, logits
 
 
@@ -131,11 +132,10 @@ def _jit_step(mesh):
     """``_step`` jitted for one device mesh (None: one device). On a mesh the shardings are explicit:
     params as placed, KV pages split on the kv-head axis in and out (donated), step inputs
     replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler."""
-    static = ("module", "param_tree")
     if mesh is None:
-        return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",))
+        return jax.jit(_step, static_argnames=("statics",), donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",),
+    return jax.jit(_step, static_argnames=("statics",), donate_argnames=("kv_pages",),
                    in_shardings=(None, kv, rep, rep, rep, rep, rep, rep, rep), out_shardings=(kv, rep))
 
 
@@ -143,37 +143,53 @@ def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, 
             num_logits=None):
     """The model part of the step: forward over the ragged batch, KV written in place, logits out.
 
-    Module-level (the Flax module is a static, hashable argument, and carries its device mesh
-    under tensor parallelism) so engines with the same model share compiled programs. ``params``
-    is the param tree, or a ``FlatParams`` of it (what the runner passes each step).
+    Module-level (the Flax module is part of a static argument, and carries its device mesh under
+    tensor parallelism) so engines with the same model share compiled programs. ``params`` is the
+    param tree, or a ``StepModel`` of the module and it (what the runner passes each step).
     """
-    flat = FlatParams.of(params)
-    return _jit_step(getattr(module, "mesh", None))(module, flat.tree, flat.leaves, kv_pages, input_ids, positions,
-                                                     md, logits_indices, prev_index, prev_tokens, num_logits)
+    m = StepModel.of(module, params)
+    return _jit_step(getattr(module, "mesh", None))(m.statics, m.leaves, kv_pages, input_ids, positions, md,
+                                                     logits_indices, prev_index, prev_tokens, num_logits)
 
 
 def _lower_step(module, params, *args):
-    flat = FlatParams.of(params)
-    return _jit_step(getattr(module, "mesh", None)).lower(module, flat.tree, flat.leaves, *args)
+    m = StepModel.of(module, params)
+    return _jit_step(getattr(module, "mesh", None)).lower(m.statics, m.leaves, *args)
 
 
 step_fn.lower = _lower_step
 
 
-@dataclass(frozen=True)
-class FlatParams:
-    """A param tree flattened once: its leaves and its structure."""
+@dataclass(frozen=True, eq=False)
+class _StepStatics:
+    """The step program's static arguments, the Flax module and the param tree's structure, as one
+    object hashed and compared by identity. jit hashes and compares its static arguments on every
+    call, and a module's dataclass hash and equality cost 20-50 us each once the device step has
+    evicted the host's caches. Interned by ``_step_statics``: equal modules share one."""
 
-    leaves: tuple
+    module: Any
     tree: Any
 
+
+@functools.cache
+def _step_statics(module, tree) -> _StepStatics:
+    return _StepStatics(module, tree)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A model as the step program takes it: its param leaves flattened once, and its statics."""
+
+    statics: _StepStatics
+    leaves: tuple
+
     @classmethod
-    def of(cls, params) -> "FlatParams":
-        """``params`` (a param tree, or already a ``FlatParams``) flattened."""
+    def of(cls, module, params) -> "StepModel":
+        """``module`` with ``params`` (a param tree, or already a ``StepModel``)."""
         if isinstance(params, cls):
             return params
         leaves, tree = jax.tree_util.tree_flatten(params)
-        return cls(tuple(leaves), tree)
+        return cls(_step_statics(module, tree), tuple(leaves))
 
 
 @functools.partial(jax.jit, static_argnames=("flags", "num_token_slots"))
@@ -327,7 +343,7 @@ class ModelRunner:
         # KV pages are created split on the kv-head axis; otherwise both live on the default device.
         mesh = getattr(model.module, "mesh", None)
         self.model = dataclasses.replace(model, params=parallel.place_params(model.params, mesh))
-        self._flat_params = FlatParams.of(self.model.params)
+        self._step_model = StepModel.of(self.model.module, self.model.params)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -580,7 +596,7 @@ class ModelRunner:
                 logger.debug("compiling step program %s", key)
         # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
         # several times faster than a jax.device_put of the tree.
-        self.kv_pages, logits = step_fn(self.model.module, self._flat_params, self.kv_pages, b.input_ids, b.positions,
+        self.kv_pages, logits = step_fn(self.model.module, self._step_model, self.kv_pages, b.input_ids, b.positions,
                                         b.md, b.logits_indices, b.prev_index, self._prev_tokens,
                                         np.int32(b.num_logits))
         sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
