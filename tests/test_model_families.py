@@ -15,7 +15,7 @@ from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
 from models import registry
-from models.decoder import column_sections, init_params, parallel_style
+from models.decoder import ACTIVATIONS, activate, column_sections, init_params, parallel_style
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
 from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 
@@ -205,7 +205,6 @@ def test_tensor_parallel_rules_cover_the_param_tree(name):
     assert styles[("layers_0", "input_layernorm", "weight")] == "replicated"
 
 
-
 TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,
                      "relu": torch.nn.functional.relu, "gelu": torch.nn.functional.gelu,
                      "gelu_new": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
@@ -219,11 +218,9 @@ MIN_AGREEMENT = {"gelu": 0.9, "gelu_new": 0.95, "gelu_pytorch_tanh": 0.95}
 @pytest.mark.parametrize("name", sorted(TORCH_ACTIVATIONS))
 def test_bfloat16_activations_round_once_as_torch_does(name):
     """A bfloat16 MLP activation is computed as torch computes it: in float32, rounded once."""
-    from models.decoder import ACTIVATIONS, activate
-
     assert set(TORCH_ACTIVATIONS) == set(ACTIVATIONS)
     x = torch.from_numpy(np.random.default_rng(0).normal(0, 3, 100_000).astype(np.float32)).to(torch.bfloat16)
     want = TORCH_ACTIVATIONS[name](x).float().numpy()
-    got = np.asarray(jax.jit(activate, static_argnums=0)(name, jax.numpy.asarray(x.float().numpy()).astype(
-        jax.numpy.bfloat16)).astype(jax.numpy.float32))
+    x_jax = jax.numpy.asarray(x.float().numpy()).astype(jax.numpy.bfloat16)
+    got = np.asarray(jax.jit(activate, static_argnums=0)(name, x_jax).astype(jax.numpy.float32))
     assert np.mean(got == want) >= MIN_AGREEMENT.get(name, 1.0), np.mean(got == want)

@@ -79,3 +79,13 @@ def test_served_workload_compiles_nothing_after_start_up(tiny):
 def test_precompile_can_be_turned_off(tiny):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), precompile=False, **ENGINE_ARGS))
     assert engine.runner.num_compiled_programs == 0
+
+
+def test_engines_of_one_model_share_their_programs(tiny):
+    """The step program's static part (module and param structure) is interned: a second engine of
+    the same model reuses the first one's compiled programs, so its start-up compiles nothing."""
+    LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
+    with count_compiles() as compiles:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
+    assert engine.runner.num_compiled_programs == 4 + 2 * 2
+    assert compiles == [], f"{len(compiles)} XLA compilations for the second engine"
