@@ -15,9 +15,9 @@ schedule + prepare + dispatch + output is the host work per step; the target is 
 decode step at 256 running requests. "host CPU" is the CPU time the engine's thread used for that
 work (``time.thread_time``): close to the wall time when the thread is never descheduled, so that
 a slow host phase is slow work (cache misses after the device step), not waiting for a core.
-With async scheduling (the default) ``step()`` launches step
-k and then processes step k-1 while k runs, so the host work overlaps the device; the benchmark
-also runs the engine with ``async_scheduling=False`` (host and device take turns) for comparison.
+With async scheduling (the default) ``step()`` launches step k and then processes step k-1 while k
+runs, so the host work overlaps the device; the benchmark also runs the engine with
+``async_scheduling=False`` (host and device take turns) for comparison.
 "device only" is the same decode batch launched and collected back to back with no host work
 between (``ModelRunner.run_batch`` + ``collect``); "exposed" = step - device only is the host
 overhead the device actually waits for.

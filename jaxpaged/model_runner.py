@@ -145,7 +145,7 @@ def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, 
 
     Module-level (the Flax module is part of a static argument, and carries its device mesh under
     tensor parallelism) so engines with the same model share compiled programs. ``params`` is the
-    param tree, or a ``StepModel`` of the module and it (what the runner passes each step).
+    param tree, or the ``StepModel`` of both (what the runner passes each step).
     """
     m = StepModel.of(module, params)
     return _jit_step(getattr(module, "mesh", None))(m.statics, m.leaves, kv_pages, input_ids, positions, md,
