@@ -36,6 +36,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from jaxpaged.request import Request
 
@@ -56,6 +57,13 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def root_hash(cache_salt: str | None) -> BlockHash:
     """The chain's root: requests with different salts never share a block."""
     return hashlib.sha256(b"jaxpaged-prefix-root" + (cache_salt or "").encode()).digest()
+
+
+class TableChange(NamedTuple):
+    """A request whose block table changed: entries from ``first`` on are new (or gone)."""
+
+    request: Request
+    first: int
 
 
 @dataclass(frozen=True)
@@ -260,8 +268,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
         self._pending_copies: list[tuple[int, int]] = []
-        self._changed: dict[str, Request] = {}
-        """Requests whose block tables changed since ``take_changed_tables`` (an ordered set)."""
+        self._changed: dict[str, TableChange] = {}
+        """Requests whose block tables changed since ``take_changed_tables``, in order of first change."""
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
@@ -307,8 +315,9 @@ class KVCacheManager:
             request.block_ids[cow] = dst
             self.pool.free([src])          # still held by its other owners
             self._pending_copies.append((src, dst))
-        request.block_ids.extend(self.pool.allocate(missing))
-        self._changed[request.request_id] = request
+        first = len(block_ids) if cow is None else cow
+        block_ids.extend(self.pool.allocate(missing))
+        self._mark_changed(request, first)
         if self.enable_caching:
             self._publish_full_blocks(request, total)
         return True
@@ -318,11 +327,17 @@ class KVCacheManager:
         pairs, self._pending_copies = self._pending_copies, []
         return pairs
 
-    def take_changed_tables(self) -> list[Request]:
-        """The requests whose ``block_ids`` changed since the last call (grown, copied on write,
-        forked, swapped, freed), so that a copy of the tables needs updating only for them."""
+    def take_changed_tables(self) -> list[TableChange]:
+        """The block tables changed since the last call (grown, copied on write, forked, swapped,
+        freed), so that a copy of the tables needs updating only for them, from where they changed."""
         changed, self._changed = list(self._changed.values()), {}
         return changed
+
+    def _mark_changed(self, request: Request, first: int = 0) -> None:
+        """Record that ``request.block_ids[first:]`` changed (an earlier mark may lower ``first``)."""
+        prev = self._changed.get(request.request_id)
+        if prev is None or first < prev.first:
+            self._changed[request.request_id] = TableChange(request, first)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` (no blocks yet) the parent's block table and computed tokens, sharing
@@ -331,7 +346,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into request {child.request_id!r}: it already holds blocks.")
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
-        self._changed[child.request_id] = child
+        self._mark_changed(child)
         child.num_computed_tokens = parent.num_computed_tokens
         if parent.request_id in self._hashes:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
@@ -348,7 +363,7 @@ class KVCacheManager:
         pairs = list(zip(request.block_ids, host))
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
-        self._changed[request.request_id] = request
+        self._mark_changed(request)
         request.host_block_ids = host
         self._num_published.pop(request.request_id, None)
         return pairs
@@ -365,7 +380,7 @@ class KVCacheManager:
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []
         request.block_ids = dev
-        self._changed[request.request_id] = request
+        self._mark_changed(request)
         if self.enable_caching:
             self._publish_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return pairs
@@ -389,7 +404,7 @@ class KVCacheManager:
         self.pool.touch(hits)
         request.block_ids.extend(hits)
         if hits:
-            self._changed[request.request_id] = request
+            self._mark_changed(request)
         request.num_computed_tokens = len(hits) * self.block_size
         self._num_published[request.request_id] = len(hits)
         self.stats.queries += request.num_tokens
@@ -401,7 +416,7 @@ class KVCacheManager:
         host ones) and clear its block table."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
-        self._changed[request.request_id] = request
+        self._mark_changed(request)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
@@ -431,9 +446,13 @@ class KVCacheManager:
         done = self._num_published.get(request.request_id, 0)
         if num_full <= done:
             return
-        hashes = self._block_hashes(request, num_full)
-        block_ids = request.block_ids
+        # One pass (a decode step's new block publishes one): each block's tokens read once, for
+        # its digest (if not yet computed: the digests may run ahead, from a prefix lookup) and its entry.
+        hashes = self._hashes.setdefault(request.request_id, [])
+        block_ids, pool = request.block_ids, self.pool
         for i in range(done, num_full):
-            self.pool.cache(block_ids[i], hashes[i], self._block_tokens(request, i),
-                            self._parent_key(request, block_ids, i))
+            tokens = self._block_tokens(request, i)
+            if i == len(hashes):
+                hashes.append(self._hash_fn(hashes[-1] if i else root_hash(request.cache_salt), tokens))
+            pool.cache(block_ids[i], hashes[i], tokens, self._parent_key(request, block_ids, i))
         self._num_published[request.request_id] = num_full

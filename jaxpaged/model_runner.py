@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged import parallel
+from jaxpaged.kv_cache_manager import TableChange
 from jaxpaged.request import Request
 from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
 from jaxpaged.sampling_params import MAX_LOGPROBS
@@ -46,6 +47,8 @@ MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
 _SEED_MASK = (1 << 64) - 1
+_PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
+                   "engine scheduled past an in-flight step)")
 # Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
 PRECOMPILED_SAMPLERS = (SamplerFlags(all_greedy=True), SamplerFlags(all_greedy=False))
 
@@ -316,16 +319,30 @@ class SequenceSlots:
             self.block_tables[s, n:old] = 0
         self.num_blocks[s] = n
 
-    def update(self, changed: list[Request], released: list[str]) -> None:
-        """Forget released sequences; copy the changed block tables of the ones with slots."""
+    def update(self, changed: list[TableChange], released: list[str]) -> None:
+        """Forget released sequences; copy the changed block tables of the ones with slots. A table
+        grown by one block (a decode step opening its next block, the common change) costs one
+        entry of a single scatter for all of them."""
         for rid in released:
             s = self._slot.pop(rid, None)
             if s is not None:
                 self._free.append(s)
-        for r in changed:
+        rows, cols, ids = [], [], []
+        num_blocks = self.num_blocks
+        for r, first in changed:
             s = self._slot.get(r.request_id)
-            if s is not None:
-                self.write_table(s, r.block_ids)
+            if s is None:
+                continue
+            block_ids = r.block_ids
+            if first == len(block_ids) - 1 == num_blocks[s]:
+                rows.append(s)
+                cols.append(first)
+                ids.append(block_ids[first])
+            else:
+                self.write_table(s, block_ids)
+        if rows:
+            self.block_tables[rows, cols] = ids
+            num_blocks[rows] = np.add(cols, 1)
 
 
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
@@ -363,6 +380,10 @@ class ModelRunner:
         self._prev_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else
                              parallel.zeros((self.max_rows,), jnp.int32, parallel.replicated(mesh)))
         self.program_keys: set[tuple] = set()
+        # Read-only row arrays of decode steps: 0, 1, 2, ... and ones (a step has at most one row per token).
+        self._iota = np.arange(max_num_batched_tokens + 1, dtype=np.int32)
+        self._ones = np.ones(max_num_batched_tokens, np.int32)
+        self._iota.flags.writeable = self._ones.flags.writeable = False
         self._sampling_cache: tuple | None = None
         """(slots, S_b, tensors, flags) of the last batch whose sampling inputs can be reused."""
 
@@ -404,9 +425,12 @@ class ModelRunner:
         R = len(reqs)
         slots = slots_state.slots(reqs)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
-        n = np.asarray(out.num_new_tokens, np.int32)
-        starts = np.asarray(out.start_positions, np.int32)
-        T = int(n.sum())
+        T = out.total_num_tokens
+        # A decode step (one token per row, the common step) takes its row arrays from ``_iota``.
+        decode = T == R
+        iota = self._iota
+        n = self._ones[:R] if decode else np.fromiter(out.num_new_tokens, np.int32, R)
+        starts = np.fromiter(out.start_positions, np.int32, R)
         T_b = self.token_bucket(T)
         R_b = self.row_bucket(T_b)
         seq_lens = starts + n
@@ -415,12 +439,11 @@ class ModelRunner:
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
-        qsl[1:R + 1] = np.cumsum(n)
-        row_of_tok = np.repeat(np.arange(R), n)
+        qsl[1:R + 1] = iota[1:R + 1] if decode else np.cumsum(n)
+        row_of_tok = iota[:R] if decode else np.repeat(iota[:R], n)
         positions = np.zeros(T_b, np.int32)
-        positions[:T] = np.arange(T) - qsl[row_of_tok] + starts[row_of_tok]
-        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, np.asarray(out.num_host_tokens, np.int32),
-                                                qsl, T_b)
+        positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
+        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, out.num_host_tokens, qsl, T_b)
         block_tables = np.zeros((R_b, W_b), np.int32)
         block_tables[:R] = slots_state.block_tables[slots, :W_b]
         slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
@@ -454,18 +477,31 @@ class ModelRunner:
         prompt_widths = [reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())]
         sampling, flags = self._sampling_inputs(reqs + children, np.concatenate([slots, fork_slots]) if children else slots,
                                                 np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_widths)
-        samples = np.asarray(out.samples, bool)
-        slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
+        if all(out.samples):
+            slots_state.last_sample_row[slots] = iota[:R]
+        else:
+            samples = np.fromiter(out.samples, bool, R)
+            slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
         return StepBatch(input_ids, positions, md, logits_indices, prev_index, sampling, targets, prompt_rows, S,
                          flags)
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
-                   host_n: np.ndarray, qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
+                   host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` of the step (the host's part of each row's span, its first ``host_n``
         tokens), and ``prev_index``: the row's last token, if its id is still on the device, is the
         previous step's sample at that row."""
         input_ids = np.zeros(T_b, np.int32)
+        R = len(n)
+        prev_index = np.full(T_b, -1, np.int32)
+        if not any(host_n):
+            # Every row's tokens are in flight (a steady decode batch): one each, the last sample.
+            src = self.slots.last_sample_row[slots]
+            if n.sum() > R or (src < 0).any():
+                raise RuntimeError(_PAST_IN_FLIGHT)
+            prev_index[qsl[1:R + 1] - 1] = src
+            return input_ids, prev_index
+        host_n = np.fromiter(host_n, np.int32, R)
         rows = np.flatnonzero(host_n)
         H = int(host_n.sum())
         if H:
@@ -475,13 +511,11 @@ class ModelRunner:
                 np.int32, H)
             within = np.arange(H) - np.repeat(np.cumsum(k) - k, k)
             input_ids[np.repeat(qsl[rows], k) + within] = flat
-        prev_index = np.full(T_b, -1, np.int32)
         pending = np.flatnonzero(host_n < n)
         if len(pending):
             src = self.slots.last_sample_row[slots[pending]]
             if (n[pending] - host_n[pending] > 1).any() or (src < 0).any():
-                raise RuntimeError("a step needs token ids that neither the host nor the previous step's "
-                                   "samples hold (the engine scheduled past an in-flight step)")
+                raise RuntimeError(_PAST_IN_FLIGHT)
             prev_index[qsl[pending + 1] - 1] = src
         return input_ids, prev_index
 

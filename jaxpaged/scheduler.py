@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.kv_cache_manager import KVCacheManager, TableChange
 from jaxpaged.request import Request, RequestStatus
 
 
@@ -48,8 +48,8 @@ class SchedulerOutput:
     num_host_tokens: list[int] = field(default_factory=list)
     """How many of ``requests[i]``'s new tokens have their ids on the host; the rest (at most the
     last one) is a token sampled by the step in flight, read on the device."""
-    block_table_updates: list[Request] = field(default_factory=list)
-    """Requests whose block tables changed since the previous schedule (the runner's copies follow)."""
+    block_table_updates: list[TableChange] = field(default_factory=list)
+    """Block tables changed since the previous schedule, and from where (the runner's copies follow)."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that left the scheduler (finished, aborted) since the previous schedule."""
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

@@ -1,0 +1,123 @@
+"""The runner's copies of the block tables (``SequenceSlots``) follow the KV-cache manager's tables
+through every kind of change it reports (growth, copy-on-write, fork, swap, free), whatever the
+order: a stateful random test against the requests' own ``block_ids``."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.model_runner import SequenceSlots
+from jaxpaged.request import Request
+from jaxpaged.sampling_params import SamplingParams
+
+MAX_BLOCKS = 12
+
+
+class TableCopiesMachine(RuleBasedStateMachine):
+    """Requests grow (by one token, as decodes do, or by many), fork, swap out and in, and are freed
+    (keeping their slot, as a preempted request does, or releasing it); after every step the runner
+    takes the changes and its copy of each table must equal the request's."""
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]))
+    def setup(self, block_size: int) -> None:
+        self.kv = KVCacheManager(48, block_size, num_host_blocks=24)
+        self.slots = SequenceSlots(MAX_BLOCKS, capacity=2)
+        self.live: list[Request] = []       # requests with a slot
+        self.released: list[str] = []
+        self.counter = 0
+
+    def _new(self) -> Request:
+        self.counter += 1
+        return Request(str(self.counter), list(range(40)), SamplingParams(), max_tokens=8, seed=0)
+
+    @rule(num_tokens=st.integers(1, 9))
+    def new_request(self, num_tokens: int) -> None:
+        req = self._new()
+        self.slots.slot(req)
+        self.live.append(req)
+        self._grow(req, num_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), num_new=st.sampled_from([1, 1, 1, 2, 5]))
+    def grow(self, data: st.DataObject, num_new: int) -> None:
+        req = data.draw(st.sampled_from(self.live))
+        if not req.host_block_ids:
+            self._grow(req, num_new)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.live))
+        if parent.host_block_ids:
+            return
+        child = self._new()
+        self.kv.fork(parent, child)
+        if data.draw(st.booleans()):        # a slot before or after the fork's change is reported
+            self.slots.slot(child)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(self.live))
+        if not req.host_block_ids:
+            self.kv.swap_out(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), num_new=st.integers(0, 3))
+    def swap_in(self, data: st.DataObject, num_new: int) -> None:
+        req = data.draw(st.sampled_from(self.live))
+        fits = self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS
+        if req.host_block_ids and fits and self.kv.swap_in(req, num_new) is not None:
+            req.num_computed_tokens += num_new
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), release=st.booleans())
+    def free(self, data: st.DataObject, release: bool) -> None:
+        req = data.draw(st.sampled_from(self.live))
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        if release:
+            self.live.remove(req)
+            self.released.append(req.request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), num_new=st.integers(1, 9))
+    def free_and_regrow(self, data: st.DataObject, num_new: int) -> None:
+        """Two changes before the runner looks (preempted and resumed within one schedule)."""
+        req = data.draw(st.sampled_from(self.live))
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self._grow(req, num_new)
+
+    def _grow(self, req: Request, num_new: int) -> None:
+        if (self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS
+                and self.kv.allocate_slots(req, num_new)):
+            req.num_computed_tokens += num_new
+
+    @invariant()
+    def copies_equal_tables(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        self.slots.update(self.kv.take_changed_tables(), self.released)
+        self.released = []
+        for req in self.live:
+            s = self.slots.slot(req)
+            n = len(req.block_ids)
+            assert self.slots.num_blocks[s] == n
+            assert self.slots.block_tables[s, :n].tolist() == req.block_ids
+            assert not self.slots.block_tables[s, n:].any()
+        assert len(self.slots) == len(self.live)
+
+    def teardown(self) -> None:
+        for req in getattr(self, "live", []):
+            self.kv.free(req)
+        if hasattr(self, "kv"):
+            assert self.kv.num_free_blocks == self.kv.pool.num_usable_blocks
+
+
+TestTableCopiesMachine = TableCopiesMachine.TestCase
+TestTableCopiesMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
