@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import pathlib
 import sys
@@ -74,6 +75,11 @@ def _serve(ns: argparse.Namespace) -> int:
         engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
     try:
         app = build_app(engine, ns.served_model_name or args.model, api_key=ns.api_key, log_prompts=ns.log_prompts)
+        # What is loaded by now (JAX, transformers, the model, the app) lives as long as the server: out of
+        # the cyclic collector's reach, a full collection walks only what serving allocates, instead of
+        # stalling every stream for ~0.3 s over half a million objects.
+        gc.collect()
+        gc.freeze()
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
         engine.shutdown()
