@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata, cpu_matmul
+from pallas_kernels.cpu_attention import cpu_rotate_half
 from pallas_kernels.kv_ops import take_rows
 from pallas_kernels.sharded import paged_attention, split_fused, write_kv
 
@@ -133,11 +134,15 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple
     return jax.lax.optimization_barrier(tuple(t.astype(dtype) for t in tables))
 
 
-def apply_rope(x: jax.Array, C: jax.Array, S: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, C: jax.Array, S: jax.Array, native: bool = False) -> jax.Array:
     """HF's rotate-half convention on ``x[T, H, D]`` with ``rope_tables``: viewing each head as two
     halves ``(x1, x2)``, the result is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` = ``x * C + swap(x) * S``,
     where ``swap`` reverses the halves. Written so, XLA's CPU fusion ran 5-7x faster than stacking or
-    concatenating the two rotated halves (which took 5% of a SmolLM2 workload's time)."""
+    concatenating the two rotated halves (which took 5% of a SmolLM2 workload's time). With ``native``
+    (the native CPU kernels, one device) bfloat16 goes to ``cpu_rotate_half``: the same roundings, 6x
+    faster than XLA's bfloat16 fusion."""
+    if native and x.dtype == jnp.bfloat16:
+        return cpu_rotate_half(x, C, S)
     T, H, D = x.shape
     halves = x.reshape(T, H, 2, D // 2)
     return (halves * C + halves[:, :, ::-1] * S).reshape(T, H, D)
@@ -247,7 +252,8 @@ class DecoderLayer(nn.Module):
         q = q.reshape(T, c.num_heads, c.head_dim)
         k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            native = self.attention_backend == "cpu" and self.mesh is None
+            q, k = apply_rope(q, *rope, native=native), apply_rope(k, *rope, native=native)
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh)
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,

@@ -346,3 +346,45 @@ def test_auto_backend_on_cpu_falls_back_to_xla_for_float16() -> None:
     b = build_batch(CASES["mixed-bs8-d64-gqa1"])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         paged_attention(b.q.astype(jnp.float16), b.kv.astype(jnp.float16), LAYER, b.md, backend="cpu", scale=0.1)
+
+
+@pytest.mark.skipif(not native_kernel_available(), reason="native CPU kernel not built")
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 32), (7, 3, 64), (64, 9, 64), (5, 2, 128)])
+def test_native_rotary_matches_torch_and_the_xla_path(tokens: int, heads: int, head_dim: int) -> None:
+    """The native bfloat16 rotation rounds as HF's ``q * cos + rotate_half(q) * sin`` does on bfloat16
+    tensors in torch, bit for bit, and as the model's XLA path (``apply_rope``) does."""
+    import torch
+
+    from models.decoder import apply_rope, rope_tables
+    from pallas_kernels.cpu_attention import cpu_rotate_half
+
+    rng = np.random.default_rng(tokens * heads + head_dim)
+    x = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)) * 4, jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+    C, S = rope_tables(positions, inv_freq, jnp.bfloat16)
+    native = np.asarray(jax.jit(cpu_rotate_half)(x, C, S).astype(jnp.float32))
+    xla = np.asarray(jax.jit(apply_rope)(x, C, S).astype(jnp.float32))
+
+    def to_torch(a):
+        return torch.from_numpy(np.array(a.astype(jnp.float32))).to(torch.bfloat16)
+
+    q = to_torch(x)
+    cos = to_torch(C.reshape(tokens, 1, head_dim))
+    sin = -to_torch(S.reshape(tokens, 1, head_dim)[..., : head_dim // 2]).repeat(1, 1, 2)
+    half = head_dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    hf = (q * cos + rotated * sin).float().numpy()
+    np.testing.assert_array_equal(native, hf)
+    np.testing.assert_array_equal(native, xla)
+
+
+@pytest.mark.skipif(not native_kernel_available(), reason="native CPU kernel not built")
+def test_native_rotary_rejects_other_dtypes_and_shapes() -> None:
+    from pallas_kernels.cpu_attention import cpu_rotate_half
+
+    x, table = jnp.zeros((4, 2, 8), jnp.bfloat16), jnp.zeros((4, 1, 2, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_rotate_half(x.astype(jnp.float32), table, table)
+    with pytest.raises(ValueError, match="D even"):
+        cpu_rotate_half(jnp.zeros((4, 2, 7), jnp.bfloat16), table, table)
