@@ -53,6 +53,7 @@
 #define JAXPAGED_AMX 1
 #endif
 
+#include "bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,20 +85,8 @@ constexpr int64_t NearRows() {
   return (kPf & kAhead) != 0 ? kStreamPrefetchRows : kPrefetchRows;
 }
 
-inline float Bf16ToF32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using jaxpaged::Bf16ToF32;
+using jaxpaged::F32ToBf16;
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels: out[R, cols] = a[R, k] (rows of x, stride lda) @ b (one panel), cols <= kNR,

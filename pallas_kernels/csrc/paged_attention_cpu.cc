@@ -40,6 +40,7 @@
 #pragma GCC diagnostic pop
 #endif
 
+#include "bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -211,13 +212,8 @@ inline Vec SoftCap(Vec s, float cap) {
 // ------------------------------------------------------------------------------ output dtypes
 // (inputs are widened to float32 by LoadMasked)
 
-inline uint16_t F32ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using jaxpaged::Bf16ToF32;
+using jaxpaged::F32ToBf16;
 
 inline void FromF32(float x, float* dst) { *dst = x; }
 inline void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
@@ -863,29 +859,14 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer kv_pages, ffi::AnyBuffer k, ffi::AnyBuffer
 // CPU fusion of the same arithmetic (a float32 round trip per operation) ran 6x slower. (In float32
 // XLA's fusion is as fast as this.)
 
-inline float WidenBf16(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// Branch-free (so the loop below vectorizes): round to nearest even, a NaN stays a (quiet) NaN.
-inline uint16_t NarrowBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
-}
-
 // One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
 inline void RotateHalf(const uint16_t* x, const uint16_t* partner, const uint16_t* c, const uint16_t* s,
                        uint16_t* y, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float a = WidenBf16(NarrowBf16(WidenBf16(x[j]) * WidenBf16(c[j])));
-    const float b = WidenBf16(NarrowBf16(WidenBf16(partner[j]) * WidenBf16(s[j])));
-    y[j] = NarrowBf16(a + b);
+    const float a = Bf16ToF32(F32ToBf16(Bf16ToF32(x[j]) * Bf16ToF32(c[j])));
+    const float b = Bf16ToF32(F32ToBf16(Bf16ToF32(partner[j]) * Bf16ToF32(s[j])));
+    y[j] = F32ToBf16(a + b);
   }
 }
 
