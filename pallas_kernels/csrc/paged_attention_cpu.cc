@@ -856,7 +856,7 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer kv_pages, ffi::AnyBuffer k, ffi::AnyBuffer
 // as [T, 1, 2, D/2]: (cos, cos) and (-sin, sin)) and swap exchanging the two halves of a head: HF's
 // rotate-half, with torch's roundings (each product and the sum computed in float32 and rounded to
 // bfloat16, nearest even), which are also those of XLA's fusion. Memory-bound, one pass over x: XLA's
-// CPU fusion of the same arithmetic (a float32 round trip per operation) ran 6x slower. (In float32
+// CPU fusion of the same arithmetic (a float32 round trip per operation) ran 4.6-5.9x slower. (In float32
 // XLA's fusion is as fast as this.)
 
 // One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
