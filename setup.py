@@ -1,4 +1,5 @@
-"""Builds the optional native CPU kernels (pallas_kernels/csrc: paged attention, dense matmul);
+"""Builds the optional native CPU kernels (pallas_kernels/csrc: paged attention, dense matmul,
+the rotary embedding and RMSNorm);
 metadata lives in pyproject.toml.
 
 Each kernel is a plain shared library loaded with ctypes and registered as an XLA FFI target, so
@@ -40,6 +41,7 @@ def _native_extension(name: str) -> Extension:
 
 
 setup(
-    ext_modules=[_native_extension("_paged_attention_cpu"), _native_extension("_matmul_cpu")],
+    ext_modules=[_native_extension("_paged_attention_cpu"), _native_extension("_matmul_cpu"),
+                 _native_extension("_layer_ops_cpu")],
     cmdclass={"build_ext": BuildSharedLibrary},
 )

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata, cpu_matmul
-from pallas_kernels.cpu_attention import cpu_rotate_half
+from pallas_kernels.cpu_layer_ops import NORM_DTYPES, cpu_rms_norm, cpu_rotate_half, native_layer_ops_available
 from pallas_kernels.kv_ops import take_rows
 from pallas_kernels.sharded import paged_attention, split_fused, write_kv
 
@@ -205,16 +205,26 @@ class Linear(nn.Module):
 
 
 class Norm(nn.Module):
-    """RMSNorm (``weight``) or LayerNorm (``weight``, ``bias``), statistics in float32."""
+    """RMSNorm (``weight``) or LayerNorm (``weight``, ``bias``), statistics in float32.
+
+    With ``residual`` the norm is of ``x + residual`` and returns ``(x + residual, normed)``, as
+    vLLM's ``RMSNorm(x, residual)``: with ``native`` (the native CPU kernels, one device) a float32 or
+    bfloat16 RMSNorm is then one C++ pass (``cpu_rms_norm``) instead of XLA's add, reduction and
+    scaling fusions; rows from ``num_rows`` on (padding) may come out zero."""
 
     kind: str
     eps: float
     dtype: Any
+    native: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, num_rows: jax.Array | None = None):
         d = x.shape[-1]
         w = self.param("weight", nn.initializers.ones, (d,), self.dtype)
+        if self.native and self.kind == "rmsnorm" and x.ndim == 2 and x.dtype == w.dtype and x.dtype in NORM_DTYPES:
+            return cpu_rms_norm(x, w, self.eps, residual, num_rows)
+        if residual is not None:
+            x = x + residual
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
             x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
@@ -222,11 +232,19 @@ class Norm(nn.Module):
         y = w * x32.astype(self.dtype)
         if self.kind == "layernorm":
             y = y + self.param("bias", nn.initializers.zeros, (d,), self.dtype)
-        return y
+        return y if residual is None else (x, y)
+
+
+def native_layer_ops(attention_backend: str, mesh: Any) -> bool:
+    """Whether the layers' elementwise ops go to the native CPU kernels: with the native attention
+    kernels, on one device (a sharded model keeps XLA's ops), where they were built."""
+    return attention_backend == "cpu" and mesh is None and native_layer_ops_available()
 
 
 class DecoderLayer(nn.Module):
-    """One attention + MLP block: ``(h, kv_pages) -> (h, kv_pages)`` for layer ``layer`` of the pages."""
+    """One attention + MLP block for layer ``layer`` of the pages: ``(h, delta, kv_pages) -> (h, delta,
+    kv_pages)``, the residual stream being ``h + delta`` (``delta`` None: ``h``). A pre-norm layer leaves
+    its last residual add to the next norm, which fuses it (``Norm(x, residual)``)."""
 
     cfg: DecoderConfig
     dtype: Any
@@ -236,33 +254,38 @@ class DecoderLayer(nn.Module):
     matmul_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, h: jax.Array, kv_pages: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, delta: jax.Array | None, kv_pages: jax.Array,
+                 rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata):
         c, layer = self.cfg, self.layer
         T = h.shape[0]
         num_rows = md.num_real_tokens
+        native = native_layer_ops(self.attention_backend, self.mesh)
         dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend)
-        attn_norm = Norm(c.norm, c.norm_eps, self.dtype, name="input_layernorm")
-        mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, name="post_attention_layernorm")
+        attn_norm = Norm(c.norm, c.norm_eps, self.dtype, native, name="input_layernorm")
+        mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, native, name="post_attention_layernorm")
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
-        x = attn_norm(h) if c.pre_norm else h
+        if not c.pre_norm:
+            x = h
+        elif delta is None:
+            x = attn_norm(h, num_rows=num_rows)
+        else:
+            h, x = attn_norm(h, delta, num_rows)
         qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, num_rows)
         q, k, v = split_fused(qkv, (q_size, kv_size, kv_size), self.mesh)
         q = q.reshape(T, c.num_heads, c.head_dim)
         k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
         if rope is not None:
-            native = self.attention_backend == "cpu" and self.mesh is None
             q, k = apply_rope(q, *rope, native=native), apply_rope(k, *rope, native=native)
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh)
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
                                scale=scale, sliding_window=c.sliding_window)
-        h = h + dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows)
-        if not c.pre_norm:
-            h = attn_norm(h)
-
-        x = mlp_norm(h) if c.pre_norm else h
+        o = dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows)
+        if c.pre_norm:
+            h, x = mlp_norm(h, o, num_rows)
+        else:
+            h = x = attn_norm(h + o)
         act = functools.partial(activate, c.activation)
         if c.gated_mlp:
             gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows)
@@ -270,10 +293,10 @@ class DecoderLayer(nn.Module):
             y = act(gate) * up
         else:
             y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x, num_rows))
-        h = h + dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows)
-        if not c.pre_norm:
-            h = mlp_norm(h)
-        return h, kv_pages
+        down = dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows)
+        if c.pre_norm:
+            return h, down, kv_pages
+        return mlp_norm(h + down), None, kv_pages
 
 
 class DecoderForCausalLM(nn.Module):
@@ -303,12 +326,18 @@ class DecoderForCausalLM(nn.Module):
         else:
             h = h + Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, self.dtype,
                           name="embed_positions")(positions + c.position_offset)
+        delta = None
         for i in range(c.num_layers):
-            h, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh, self.matmul_backend,
-                                       name=layer_name(i))(h, kv_pages, rope, md)
+            h, delta, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh,
+                                              self.matmul_backend, name=layer_name(i))(h, delta, kv_pages, rope, md)
         h = h[logits_indices]
+        delta = None if delta is None else delta[logits_indices]
         if c.final_norm:
-            h = Norm(c.norm, c.norm_eps, self.dtype, name="norm")(h)
+            norm = Norm(c.norm, c.norm_eps, self.dtype, native_layer_ops(self.attention_backend, self.mesh),
+                        name="norm")
+            h = norm(h, num_rows=num_logits) if delta is None else norm(h, delta, num_logits)[1]
+        elif delta is not None:
+            h = h + delta
         if project:
             h = dense(c.embed_dim, name="project_out")(h, num_logits)
         # The native matmul needs its own packed copy of a tied head (the embedding, transposed).

@@ -22,7 +22,6 @@ from pallas_kernels.native import register_cpu_targets
 
 _TARGET = "jaxpaged_paged_attention_cpu"
 _WRITE_TARGET = "jaxpaged_write_kv_cpu"
-_ROPE_TARGET = "jaxpaged_rope_cpu"
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -30,8 +29,7 @@ NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def native_kernel_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
     return register_cpu_targets("pallas_kernels._paged_attention_cpu",
-                                {_TARGET: "JaxpagedPagedAttentionCpu", _WRITE_TARGET: "JaxpagedWriteKvCpu",
-                                 _ROPE_TARGET: "JaxpagedRopeCpu"})
+                                {_TARGET: "JaxpagedPagedAttentionCpu", _WRITE_TARGET: "JaxpagedWriteKvCpu"})
 
 
 def cpu_write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -44,24 +42,6 @@ def cpu_write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_ma
                             input_output_aliases={0: 0})
     return call(kv_pages, k.astype(kv_pages.dtype), v.astype(kv_pages.dtype), slot_mapping,
                 jnp.asarray(layer, jnp.int32).reshape(()))
-
-
-def cpu_rotate_half(x: jax.Array, cos_table: jax.Array, sin_table: jax.Array) -> jax.Array:
-    """``x * C + swap(x) * S`` for each head of a bfloat16 ``x[T, H, D]`` (``swap`` exchanging the halves
-    of a head; ``C``, ``S``: ``T x D`` bfloat16 elements), each product and the sum rounded to bfloat16
-    as torch (and XLA) round them: HF's rotate-half rotary embedding in one memory-bound pass, where
-    XLA's CPU fusion of the bfloat16 arithmetic ran 4.6-5.9x slower (its float32 fusion is as fast)."""
-    if not native_kernel_available():
-        raise RuntimeError("the native CPU attention kernels were not built (no C++ compiler at install time?); "
-                           "reinstall jaxpaged with g++ available")
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if not x.dtype == cos_table.dtype == sin_table.dtype == bf16:
-        raise ValueError(f"the native rotary kernel takes bfloat16 x and tables, got {x.dtype}, {cos_table.dtype}, "
-                         f"{sin_table.dtype}")
-    if x.ndim != 3 or x.shape[2] % 2 or cos_table.size != x.shape[0] * x.shape[2] or sin_table.shape != cos_table.shape:
-        raise ValueError(f"expected x[T, H, D] with D even and tables of T x D elements, got {x.shape}, "
-                         f"{cos_table.shape}, {sin_table.shape}")
-    return jax.ffi.ffi_call(_ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, cos_table, sin_table)
 
 
 def cpu_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,

@@ -8,12 +8,14 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels.cpu_attention import native_kernel_available
+from pallas_kernels.cpu_layer_ops import native_layer_ops_available
 from pallas_kernels.cpu_matmul import native_matmul_available
 from pallas_kernels.native import register_cpu_targets
 
 
 @pytest.mark.parametrize("stem,available", [("_matmul_cpu", native_matmul_available),
-                                            ("_paged_attention_cpu", native_kernel_available)])
+                                            ("_paged_attention_cpu", native_kernel_available),
+                                            ("_layer_ops_cpu", native_layer_ops_available)])
 def test_a_built_kernel_loads(stem, available):
     here = Path(pallas_kernels.__file__).parent
     built = any((here / f"{stem}{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)

@@ -851,61 +851,7 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer kv_pages, ffi::AnyBuffer k, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// ------------------------------------------------------------------------------ rotary embeddings
-// y = x * C + swap(x) * S for each head of a bfloat16 x[T, H, D], with C and S the step's tables ([T, D]
-// as [T, 1, 2, D/2]: (cos, cos) and (-sin, sin)) and swap exchanging the two halves of a head: HF's
-// rotate-half, with torch's roundings (each product and the sum computed in float32 and rounded to
-// bfloat16, nearest even), which are also those of XLA's fusion. Memory-bound, one pass over x: XLA's
-// CPU fusion of the same arithmetic (a float32 round trip per operation) ran 4.6-5.9x slower. (In float32
-// XLA's fusion is as fast as this.)
-
-// One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
-inline void RotateHalf(const uint16_t* x, const uint16_t* partner, const uint16_t* c, const uint16_t* s,
-                       uint16_t* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float a = Bf16ToF32(F32ToBf16(Bf16ToF32(x[j]) * Bf16ToF32(c[j])));
-    const float b = Bf16ToF32(F32ToBf16(Bf16ToF32(partner[j]) * Bf16ToF32(s[j])));
-    y[j] = F32ToBf16(a + b);
-  }
-}
-
-ffi::Error RopeImpl(ffi::AnyBuffer x, ffi::AnyBuffer cos_table, ffi::AnyBuffer sin_table, ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions();
-  const auto cd = cos_table.dimensions();
-  const auto table_size = static_cast<size_t>(xd.size() == 3 ? xd[0] * xd[2] : 0);
-  if (xd.size() != 3 || xd[2] % 2 != 0 || cos_table.element_count() != table_size ||
-      sin_table.element_count() != table_size || cd.size() == 0 || cd[0] != xd[0])
-    return ffi::Error::InvalidArgument("rope_cpu: expected x[T,H,D] (D even) and tables of T x D elements");
-  for (const ffi::DataType type : {x.element_type(), cos_table.element_type(), sin_table.element_type(),
-                                   y->element_type()})
-    if (type != ffi::DataType::BF16) return ffi::Error::InvalidArgument("rope_cpu: x, the tables and y are bfloat16");
-  const int64_t tokens = xd[0], heads = xd[1], d = xd[2], half = d / 2;
-  const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
-  const auto* cs = static_cast<const uint16_t*>(cos_table.untyped_data());
-  const auto* ss = static_cast<const uint16_t*>(sin_table.untyped_data());
-  auto* ys = static_cast<uint16_t*>(y->untyped_data());
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cs + t * d;
-    const uint16_t* s = ss + t * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const uint16_t* xh = xs + (t * heads + h) * d;
-      uint16_t* yh = ys + (t * heads + h) * d;
-      RotateHalf(xh, xh + half, c, s, yh, half);
-      RotateHalf(xh + half, xh, c + half, s + half, yh + half, half);
-    }
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRopeCpu, RopeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedWriteKvCpu, WriteKvImpl,
                               ffi::Ffi::Bind()

@@ -1,0 +1,76 @@
+"""The decoder's elementwise layers on the CPU through C++ kernels called by XLA's FFI
+(``csrc/layer_ops_cpu.cc``): the bfloat16 rotary embedding and RMSNorm, optionally fused with the
+residual add before it (as vLLM's ``fused_add_rms_norm``).
+
+XLA's CPU backend runs a norm as a reduction fusion, then a fusion that scales (and one more for the
+residual add), each a pass over the activations, and bfloat16 arithmetic as a float32 round trip per
+operation; each kernel here is one pass with the same roundings. Built by ``pip install`` with the
+other native kernels (optional: without a compiler the model keeps its XLA ops).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.native import register_cpu_targets
+
+_ROPE_TARGET = "jaxpaged_rope_cpu"
+_NORM_TARGET = "jaxpaged_rms_norm_cpu"
+_ADD_NORM_TARGET = "jaxpaged_add_rms_norm_cpu"
+NORM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@functools.cache
+def native_layer_ops_available() -> bool:
+    """Load the compiled kernels and register them with XLA (once); False if they were not built."""
+    return register_cpu_targets("pallas_kernels._layer_ops_cpu",
+                                {_ROPE_TARGET: "JaxpagedRopeCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
+                                 _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu"})
+
+
+def _require_kernels() -> None:
+    if not native_layer_ops_available():
+        raise RuntimeError("the native CPU layer kernels were not built (no C++ compiler at install time?); "
+                           "reinstall jaxpaged with g++ available")
+
+
+def cpu_rotate_half(x: jax.Array, cos_table: jax.Array, sin_table: jax.Array) -> jax.Array:
+    """``x * C + swap(x) * S`` for each head of a bfloat16 ``x[T, H, D]`` (``swap`` exchanging the halves
+    of a head; ``C``, ``S``: ``T x D`` bfloat16 elements), each product and the sum rounded to bfloat16
+    as torch (and XLA) round them: HF's rotate-half rotary embedding in one memory-bound pass, where
+    XLA's CPU fusion of the bfloat16 arithmetic ran 4.6-5.9x slower (its float32 fusion is as fast)."""
+    _require_kernels()
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if not x.dtype == cos_table.dtype == sin_table.dtype == bf16:
+        raise ValueError(f"the native rotary kernel takes bfloat16 x and tables, got {x.dtype}, {cos_table.dtype}, "
+                         f"{sin_table.dtype}")
+    if x.ndim != 3 or x.shape[2] % 2 or cos_table.size != x.shape[0] * x.shape[2] or sin_table.shape != cos_table.shape:
+        raise ValueError(f"expected x[T, H, D] with D even and tables of T x D elements, got {x.shape}, "
+                         f"{cos_table.shape}, {sin_table.shape}")
+    return jax.ffi.ffi_call(_ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, cos_table, sin_table)
+
+
+def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Array | None = None,
+                 num_rows: jax.Array | None = None):
+    """RMSNorm of the rows of ``h[T, d]``: ``weight * round(s * rsqrt(mean(s * s) + eps))``, statistics
+    in float32, ``round`` to ``h``'s dtype (float32 or bfloat16), as HF's ``LlamaRMSNorm`` rounds.
+
+    With ``residual`` (like ``h``) the norm is of ``s = h + residual`` (rounded), and the result is
+    ``(s, normed)``: the residual add and the norm after it in one pass. Rows from ``num_rows`` (an
+    int32 scalar; None: all) on are a padded batch's padding and come out zero."""
+    _require_kernels()
+    if h.ndim != 2 or weight.shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
+        raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {weight.shape}, "
+                         f"{None if residual is None else residual.shape}")
+    if h.dtype not in NORM_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
+        raise ValueError(f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
+                         f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}")
+    rows = jnp.asarray(h.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    if residual is None:
+        return jax.ffi.ffi_call(_NORM_TARGET, out)(h, weight, rows, eps=np.float32(eps))
+    return tuple(jax.ffi.ffi_call(_ADD_NORM_TARGET, (out, out))(h, residual, weight, rows, eps=np.float32(eps)))

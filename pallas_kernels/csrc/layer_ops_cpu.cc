@@ -1,0 +1,267 @@
+// The decoder's per-token elementwise layers for the CPU, called from XLA through the FFI: the rotary
+// embedding of bfloat16 heads and RMSNorm (optionally fused with the residual add before it). Each is
+// one memory-bound pass over its rows, where XLA's CPU fusions take several: a bfloat16 operation there
+// is a float32 round trip, and a norm is a reduction fusion then a second pass that scales.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxpaged::Bf16ToF32;
+using jaxpaged::F32ToBf16;
+
+// ------------------------------------------------------------------------------ rotary embeddings
+// y = x * C + swap(x) * S for each head of a bfloat16 x[T, H, D], with C and S the step's tables ([T, D]
+// as [T, 1, 2, D/2]: (cos, cos) and (-sin, sin)) and swap exchanging the two halves of a head: HF's
+// rotate-half, with torch's roundings (each product and the sum computed in float32 and rounded to
+// bfloat16, nearest even), which are also those of XLA's fusion. Memory-bound, one pass over x: XLA's
+// CPU fusion of the same arithmetic (a float32 round trip per operation) ran 4.6-5.9x slower. (In float32
+// XLA's fusion is as fast as this.)
+
+// One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
+inline void RotateHalf(const uint16_t* x, const uint16_t* partner, const uint16_t* c, const uint16_t* s,
+                       uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = Bf16ToF32(F32ToBf16(Bf16ToF32(x[j]) * Bf16ToF32(c[j])));
+    const float b = Bf16ToF32(F32ToBf16(Bf16ToF32(partner[j]) * Bf16ToF32(s[j])));
+    y[j] = F32ToBf16(a + b);
+  }
+}
+
+ffi::Error RopeImpl(ffi::AnyBuffer x, ffi::AnyBuffer cos_table, ffi::AnyBuffer sin_table, ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto cd = cos_table.dimensions();
+  const auto table_size = static_cast<size_t>(xd.size() == 3 ? xd[0] * xd[2] : 0);
+  if (xd.size() != 3 || xd[2] % 2 != 0 || cos_table.element_count() != table_size ||
+      sin_table.element_count() != table_size || cd.size() == 0 || cd[0] != xd[0])
+    return ffi::Error::InvalidArgument("rope_cpu: expected x[T,H,D] (D even) and tables of T x D elements");
+  for (const ffi::DataType type : {x.element_type(), cos_table.element_type(), sin_table.element_type(),
+                                   y->element_type()})
+    if (type != ffi::DataType::BF16) return ffi::Error::InvalidArgument("rope_cpu: x, the tables and y are bfloat16");
+  const int64_t tokens = xd[0], heads = xd[1], d = xd[2], half = d / 2;
+  const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
+  const auto* cs = static_cast<const uint16_t*>(cos_table.untyped_data());
+  const auto* ss = static_cast<const uint16_t*>(sin_table.untyped_data());
+  auto* ys = static_cast<uint16_t*>(y->untyped_data());
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cs + t * d;
+    const uint16_t* s = ss + t * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xh = xs + (t * heads + h) * d;
+      uint16_t* yh = ys + (t * heads + h) * d;
+      RotateHalf(xh, xh + half, c, s, yh, half);
+      RotateHalf(xh + half, xh, c + half, s + half, yh + half, half);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------ RMSNorm
+// x = w * round(s * rsqrt(mean(s * s) + eps)) per row, with s = round(h + delta) (the residual stream
+// after the add; s = h without delta), the statistics in float32 and round() to the rows' dtype: the
+// roundings of HF's (and the model's XLA) RMSNorm, whose sum of squares differs only in its order.
+// Rows past `rows` (a padded batch's padding) come out zero.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 elements at a time, as float32 vectors; `m` masks a row's tail. With AVX512-BF16 a vector is rounded
+// to bfloat16 in one instruction (nearest even; it treats float32 denormals as zero, as XLA's CPU
+// runtime does: it runs with denormals flushed).
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void Store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline __m256i ToBf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+inline void Store16(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, ToBf16(v)); }
+// v rounded to T and back (a no-op for float32).
+inline __m512 Round(__m512 v, float) { return v; }
+inline __m512 Round(__m512 v, uint16_t) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ToBf16(v)), 16));
+}
+
+template <typename T>
+void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, float eps) {
+  __m512 sq0 = _mm512_setzero_ps(), sq1 = _mm512_setzero_ps();  // two chains: the adds' latency
+  for (int64_t j = 0; j < d; j += 16) {
+    const __mmask16 m = d - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - j)) - 1);
+    __m512 s = Load16(h + j, m);
+    if (delta != nullptr) {
+      s = Round(_mm512_add_ps(s, Load16(delta + j, m)), T{});
+      Store16(sum + j, s, m);
+    }
+    if ((j / 16) % 2) sq1 = _mm512_fmadd_ps(s, s, sq1);
+    else sq0 = _mm512_fmadd_ps(s, s, sq0);
+  }
+  if (delta != nullptr) h = sum;
+  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(sq0, sq1)) / static_cast<float>(d) + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t j = 0; j < d; j += 16) {
+    const __mmask16 m = d - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - j)) - 1);
+    Store16(x + j, _mm512_mul_ps(Load16(w + j, m), Round(_mm512_mul_ps(Load16(h + j, m), rv), T{})), m);
+  }
+}
+#else
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
+template <typename T>
+inline T FromF32(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return F32ToBf16(x);
+}
+template <typename T>
+inline float Round(float x) { return ToF32(FromF32<T>(x)); }
+
+template <typename T>
+void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, float eps) {
+  float squares = 0.f;
+  if (delta != nullptr) {
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < d; ++j) {
+      const T s = FromF32<T>(ToF32(h[j]) + ToF32(delta[j]));
+      sum[j] = s;
+      squares += ToF32(s) * ToF32(s);
+    }
+    h = sum;
+  } else {
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < d; ++j) squares += ToF32(h[j]) * ToF32(h[j]);
+  }
+  const float r = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) x[j] = FromF32<T>(ToF32(w[j]) * Round<T>(ToF32(h[j]) * r));
+}
+#endif
+
+// Rows per task when a call is split over the pool: below this many elements in all a call runs on
+// the caller's thread alone (waking a pool thread costs more than the pass).
+constexpr int64_t kParallelElements = 1 << 16;
+constexpr int64_t kRowsPerTask = 32;
+
+template <typename T>
+void NormRows(ffi::ThreadPool pool, const T* h, const T* delta, const T* w, T* sum, T* x, int64_t rows, int64_t d,
+              float eps) {
+  auto run = [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      NormRow(h + r * d, delta ? delta + r * d : nullptr, w, sum ? sum + r * d : nullptr, x + r * d, d, eps);
+  };
+  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  if (rows * d < kParallelElements || tasks < 2 || pool.num_threads() < 1) {
+    run(0, rows);
+    return;
+  }
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto work = [c, run, rows, tasks]() {
+    for (int64_t i = c->next.fetch_add(1); i < tasks; i = c->next.fetch_add(1)) {
+      run(i * kRowsPerTask, std::min(rows, (i + 1) * kRowsPerTask));
+      c->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 0; i < std::min<int64_t>(pool.num_threads(), tasks - 1); ++i)
+    pool.Schedule([c, work, tasks]() {
+      if (c->next.load() < tasks) work();  // late tasks find nothing left
+    });
+  work();
+  while (c->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+}
+
+// h[T, d], delta (null or like h), w[d]; sum (null, or like h: h + delta), x like h.
+ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer* delta, ffi::AnyBuffer w,
+                    ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer* sum, ffi::AnyBuffer x, float eps) {
+  const auto hd = h.dimensions();
+  if (hd.size() != 2 || w.element_count() != static_cast<size_t>(hd[1]) ||
+      (delta != nullptr && delta->element_count() != h.element_count()))
+    return ffi::Error::InvalidArgument("rms_norm_cpu: expected h[T,d], a weight of d elements, delta like h");
+  const ffi::DataType type = h.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || w.element_type() != type ||
+      x.element_type() != type || (delta != nullptr && delta->element_type() != type))
+    return ffi::Error::InvalidArgument("rms_norm_cpu: h, delta, the weight and the outputs share a dtype, "
+                                       "float32 or bfloat16");
+  const int64_t tokens = hd[0], d = hd[1];
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, tokens);
+  const size_t width = ffi::ByteWidth(type);
+  std::memset(static_cast<char*>(x.untyped_data()) + rows * d * width, 0, (tokens - rows) * d * width);
+  if (sum != nullptr)
+    std::memset(static_cast<char*>(sum->untyped_data()) + rows * d * width, 0, (tokens - rows) * d * width);
+  auto typed = [&](auto zero) {
+    using T = decltype(zero);
+    NormRows(pool, static_cast<const T*>(h.untyped_data()),
+             delta ? static_cast<const T*>(delta->untyped_data()) : nullptr, static_cast<const T*>(w.untyped_data()),
+             sum ? static_cast<T*>(sum->untyped_data()) : nullptr, static_cast<T*>(x.untyped_data()), rows, d, eps);
+  };
+  if (type == ffi::DataType::F32) typed(0.f);
+  else typed(uint16_t{0});
+  return ffi::Error::Success();
+}
+
+ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows,
+                       ffi::Result<ffi::AnyBuffer> x, float eps) {
+  return NormImpl(pool, h, nullptr, w, num_rows, nullptr, *x, eps);
+}
+
+ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer delta, ffi::AnyBuffer w,
+                          ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> sum,
+                          ffi::Result<ffi::AnyBuffer> x, float eps) {
+  ffi::AnyBuffer s = *sum;
+  return NormImpl(pool, h, &delta, w, num_rows, &s, *x, eps);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRopeCpu, RopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRmsNormCpu, RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedAddRmsNormCpu, AddRmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"));

@@ -1,0 +1,119 @@
+"""The native CPU layer kernels (``pallas_kernels.cpu_layer_ops``): the bfloat16 rotary embedding and
+RMSNorm (with the residual add fused), against torch's (HF's) arithmetic and the model's XLA path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from models.decoder import Norm, apply_rope, rope_tables
+from pallas_kernels.cpu_layer_ops import cpu_rms_norm, cpu_rotate_half, native_layer_ops_available
+
+needs_kernels = pytest.mark.skipif(not native_layer_ops_available(), reason="native CPU layer kernels not built")
+
+
+def _to_torch(a: jax.Array) -> torch.Tensor:
+    """A float32 or bfloat16 array as a torch tensor of the same dtype and values."""
+    t = torch.from_numpy(np.array(a.astype(jnp.float32)))
+    return t.to(torch.bfloat16) if a.dtype == jnp.bfloat16 else t
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(a.float().numpy() if isinstance(a, torch.Tensor) else jnp.asarray(a).astype(jnp.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 32), (7, 3, 64), (64, 9, 64), (5, 2, 128)])
+def test_native_rotary_matches_torch_and_the_xla_path(tokens: int, heads: int, head_dim: int) -> None:
+    """The native bfloat16 rotation rounds as HF's ``q * cos + rotate_half(q) * sin`` does on bfloat16
+    tensors in torch, bit for bit, and as the model's XLA path (``apply_rope``) does."""
+    rng = np.random.default_rng(tokens * heads + head_dim)
+    x = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)) * 4, jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+    C, S = rope_tables(positions, inv_freq, jnp.bfloat16)
+    native = np.asarray(jax.jit(cpu_rotate_half)(x, C, S).astype(jnp.float32))
+    xla = np.asarray(jax.jit(apply_rope)(x, C, S).astype(jnp.float32))
+
+    q = _to_torch(x)
+    cos = _to_torch(C.reshape(tokens, 1, head_dim))
+    sin = -_to_torch(S.reshape(tokens, 1, head_dim)[..., : head_dim // 2]).repeat(1, 1, 2)
+    half = head_dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    hf = (q * cos + rotated * sin).float().numpy()
+    np.testing.assert_array_equal(native, hf)
+    np.testing.assert_array_equal(native, xla)
+
+
+@needs_kernels
+def test_native_rotary_rejects_other_dtypes_and_shapes() -> None:
+    x, table = jnp.zeros((4, 2, 8), jnp.bfloat16), jnp.zeros((4, 1, 2, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_rotate_half(x.astype(jnp.float32), table, table)
+    with pytest.raises(ValueError, match="D even"):
+        cpu_rotate_half(jnp.zeros((4, 2, 7), jnp.bfloat16), table, table)
+
+
+def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm.forward``."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens,d", [(1, 16), (5, 40), (64, 576), (130, 100)])
+def test_native_rms_norm_matches_torch(dtype, tokens: int, d: int) -> None:
+    """The fused add is torch's bit for bit; the norm agrees with HF's RMSNorm up to the order of the
+    sum of squares: within one rounding of the dtype, and at least as often exact as the model's
+    XLA path (whose rsqrt is an approximation)."""
+    rng = np.random.default_rng(tokens * d)
+    h = jnp.asarray(rng.standard_normal((tokens, d)) * 3, dtype)
+    residual = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
+    weight = jnp.asarray(1 + rng.standard_normal(d) / 4, dtype)
+    eps = 1e-5
+    total, normed = jax.jit(lambda h, r, w: cpu_rms_norm(h, w, eps, r))(h, residual, weight)
+    alone = jax.jit(lambda h, w: cpu_rms_norm(h, w, eps))(total, weight)
+
+    hf_total = _to_torch(h) + _to_torch(residual)
+    hf = _f32(_torch_rms_norm(hf_total, _to_torch(weight), eps))
+    np.testing.assert_array_equal(_f32(total), _f32(hf_total))
+    np.testing.assert_array_equal(_f32(normed), _f32(alone))
+    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -22
+    np.testing.assert_allclose(_f32(normed), hf, rtol=ulp, atol=1e-6)
+
+    module = Norm("rmsnorm", eps, dtype)
+    xla = _f32(module.apply({"params": {"weight": weight}}, h, residual)[1])
+    assert (_f32(normed) != hf).mean() <= (xla != hf).mean()
+
+
+@needs_kernels
+def test_native_rms_norm_zeroes_padding_rows() -> None:
+    """Rows from ``num_rows`` on are a padded batch's padding: zero in both outputs, the real rows as
+    in a call without padding."""
+    rng = np.random.default_rng(0)
+    h, residual = (jnp.asarray(rng.standard_normal((8, 48)), jnp.float32) for _ in range(2))
+    weight = jnp.ones(48, jnp.float32)
+    total, normed = jax.jit(lambda n: cpu_rms_norm(h, weight, 1e-6, residual, n))(jnp.int32(3))
+    full_total, full_normed = cpu_rms_norm(h, weight, 1e-6, residual)
+    for padded, full in ((total, full_total), (normed, full_normed)):
+        np.testing.assert_array_equal(np.asarray(padded[:3]), np.asarray(full[:3]))
+        assert not np.asarray(padded[3:]).any()
+    assert np.asarray(full_normed[3:]).any()
+
+
+@needs_kernels
+def test_native_rms_norm_rejects_other_dtypes_and_shapes() -> None:
+    h = jnp.zeros((4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_rms_norm(h.astype(jnp.float16), jnp.ones(8, jnp.float16), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_rms_norm(h, jnp.ones(8, jnp.float32), 1e-5)
+    with pytest.raises(ValueError, match=r"h\[T, d\]"):
+        cpu_rms_norm(h, jnp.ones(7, jnp.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="residual like h"):
+        cpu_rms_norm(h, jnp.ones(8, jnp.bfloat16), 1e-5, residual=jnp.zeros((3, 8), jnp.bfloat16))
