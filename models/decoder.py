@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata, cpu_matmul
-from pallas_kernels.cpu_layer_ops import NORM_DTYPES, cpu_rms_norm, cpu_rotate_half, native_layer_ops_available
+from pallas_kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rotate_half, cpu_silu_and_mul,
+                                          native_layer_ops_available)
 from pallas_kernels.kv_ops import take_rows
 from pallas_kernels.sharded import paged_attention, split_fused, write_kv
 
@@ -221,7 +222,7 @@ class Norm(nn.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None = None, num_rows: jax.Array | None = None):
         d = x.shape[-1]
         w = self.param("weight", nn.initializers.ones, (d,), self.dtype)
-        if self.native and self.kind == "rmsnorm" and x.ndim == 2 and x.dtype == w.dtype and x.dtype in NORM_DTYPES:
+        if self.native and self.kind == "rmsnorm" and x.ndim == 2 and x.dtype == w.dtype and x.dtype in NATIVE_DTYPES:
             return cpu_rms_norm(x, w, self.eps, residual, num_rows)
         if residual is not None:
             x = x + residual
@@ -236,8 +237,9 @@ class Norm(nn.Module):
 
 
 def native_layer_ops(attention_backend: str, mesh: Any) -> bool:
-    """Whether the layers' elementwise ops go to the native CPU kernels: with the native attention
-    kernels, on one device (a sharded model keeps XLA's ops), where they were built."""
+    """Whether the layers' elementwise ops (bfloat16 rotary embedding, RMSNorm, SiLU(gate) * up) go to
+    the native CPU kernels: with the native attention kernels, on one device (a sharded model keeps
+    XLA's ops), where they were built."""
     return attention_backend == "cpu" and mesh is None and native_layer_ops_available()
 
 
@@ -289,8 +291,11 @@ class DecoderLayer(nn.Module):
         act = functools.partial(activate, c.activation)
         if c.gated_mlp:
             gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows)
-            gate, up = split_fused(gate_up, (c.intermediate_size, c.intermediate_size), self.mesh)
-            y = act(gate) * up
+            if native and c.activation == "silu" and gate_up.ndim == 2 and gate_up.dtype in NATIVE_DTYPES:
+                y = cpu_silu_and_mul(gate_up, num_rows)
+            else:
+                gate, up = split_fused(gate_up, (c.intermediate_size, c.intermediate_size), self.mesh)
+                y = act(gate) * up
         else:
             y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x, num_rows))
         down = dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows)

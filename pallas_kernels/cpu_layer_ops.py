@@ -1,6 +1,7 @@
 """The decoder's elementwise layers on the CPU through C++ kernels called by XLA's FFI
-(``csrc/layer_ops_cpu.cc``): the bfloat16 rotary embedding and RMSNorm, optionally fused with the
-residual add before it (as vLLM's ``fused_add_rms_norm``).
+(``csrc/layer_ops_cpu.cc``): the bfloat16 rotary embedding, RMSNorm, optionally fused with the
+residual add before it (as vLLM's ``fused_add_rms_norm``), and the gated MLP's SiLU(gate) * up (as
+vLLM's ``silu_and_mul``).
 
 XLA's CPU backend runs a norm as a reduction fusion, then a fusion that scales (and one more for the
 residual add), each a pass over the activations, and bfloat16 arithmetic as a float32 round trip per
@@ -21,7 +22,8 @@ from pallas_kernels.native import register_cpu_targets
 _ROPE_TARGET = "jaxpaged_rope_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
 _ADD_NORM_TARGET = "jaxpaged_add_rms_norm_cpu"
-NORM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_SILU_TARGET = "jaxpaged_silu_and_mul_cpu"
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.cache
@@ -29,7 +31,7 @@ def native_layer_ops_available() -> bool:
     """Load the compiled kernels and register them with XLA (once); False if they were not built."""
     return register_cpu_targets("pallas_kernels._layer_ops_cpu",
                                 {_ROPE_TARGET: "JaxpagedRopeCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
-                                 _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu"})
+                                 _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu", _SILU_TARGET: "JaxpagedSiluAndMulCpu"})
 
 
 def _require_kernels() -> None:
@@ -66,7 +68,7 @@ def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Arra
     if h.ndim != 2 or weight.shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
         raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {weight.shape}, "
                          f"{None if residual is None else residual.shape}")
-    if h.dtype not in NORM_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
+    if h.dtype not in NATIVE_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
         raise ValueError(f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
                          f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}")
     rows = jnp.asarray(h.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
@@ -74,3 +76,18 @@ def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Arra
     if residual is None:
         return jax.ffi.ffi_call(_NORM_TARGET, out)(h, weight, rows, eps=np.float32(eps))
     return tuple(jax.ffi.ffi_call(_ADD_NORM_TARGET, (out, out))(h, residual, weight, rows, eps=np.float32(eps)))
+
+
+def cpu_silu_and_mul(gate_up: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+    """``round(silu(gate)) * up`` for ``gate_up[T, 2n]`` (the gate's ``n`` columns, then up's), float32 or
+    bfloat16: SiLU in float32 rounded once to the dtype, as torch's kernels (and ``models.decoder.activate``)
+    round it, then the product rounded. Rows from ``num_rows`` (an int32 scalar; None: all) on are
+    padding and come out zero."""
+    _require_kernels()
+    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"expected gate_up[T, 2n], got {gate_up.shape}")
+    if gate_up.dtype not in NATIVE_DTYPES:
+        raise ValueError(f"the native SiLU-and-multiply takes float32 or bfloat16, got {gate_up.dtype}")
+    rows = jnp.asarray(gate_up.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype)
+    return jax.ffi.ffi_call(_SILU_TARGET, out)(gate_up, rows)

@@ -1,13 +1,15 @@
 // The decoder's per-token elementwise layers for the CPU, called from XLA through the FFI: the rotary
-// embedding of bfloat16 heads and RMSNorm (optionally fused with the residual add before it). Each is
-// one memory-bound pass over its rows, where XLA's CPU fusions take several: a bfloat16 operation there
-// is a float32 round trip, and a norm is a reduction fusion then a second pass that scales.
+// embedding of bfloat16 heads, RMSNorm (optionally fused with the residual add before it) and the gated
+// MLP's SiLU(gate) * up. Each is one pass over its rows, where XLA's CPU fusions take several (a norm is
+// a reduction fusion, then a second pass that scales) and run bfloat16 arithmetic as a float32 round
+// trip per operation.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -17,6 +19,7 @@
 #endif
 
 #include "bf16.h"
+#include "exp512.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -129,6 +132,18 @@ void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, fl
     Store16(x + j, _mm512_mul_ps(Load16(w + j, m), Round(_mm512_mul_ps(Load16(h + j, m), rv), T{})), m);
   }
 }
+// y = round(round(silu(g)) * u) with silu(g) = g / (1 + exp(-g)) in float32: the activation rounded
+// once to the dtype (as torch's kernels and models.decoder.activate round it), then the product.
+template <typename T>
+void SiluMulRow(const T* g, const T* u, T* y, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512 gv = Load16(g + j, m);
+    const __m512 e = jaxpaged::Exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 a = Round(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
+    Store16(y + j, _mm512_mul_ps(a, Load16(u + j, m)), m);
+  }
+}
 #else
 inline float ToF32(float x) { return x; }
 inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
@@ -159,6 +174,14 @@ void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, fl
 #pragma omp simd
   for (int64_t j = 0; j < d; ++j) x[j] = FromF32<T>(ToF32(w[j]) * Round<T>(ToF32(h[j]) * r));
 }
+template <typename T>
+void SiluMulRow(const T* g, const T* u, T* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float gj = ToF32(g[j]);
+    y[j] = FromF32<T>(Round<T>(gj / (1.f + std::exp(-gj))) * ToF32(u[j]));
+  }
+}
 #endif
 
 // Rows per task when a call is split over the pool: below this many elements in all a call runs on
@@ -166,15 +189,12 @@ void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, fl
 constexpr int64_t kParallelElements = 1 << 16;
 constexpr int64_t kRowsPerTask = 32;
 
-template <typename T>
-void NormRows(ffi::ThreadPool pool, const T* h, const T* delta, const T* w, T* sum, T* x, int64_t rows, int64_t d,
-              float eps) {
-  auto run = [=](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      NormRow(h + r * d, delta ? delta + r * d : nullptr, w, sum ? sum + r * d : nullptr, x + r * d, d, eps);
-  };
+// run(r0, r1) over rows [0, rows), split into tasks of kRowsPerTask rows claimed by the caller and
+// pool threads when the call is large enough.
+template <typename F>
+void ForRows(ffi::ThreadPool pool, int64_t rows, int64_t row_elements, F run) {
   const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  if (rows * d < kParallelElements || tasks < 2 || pool.num_threads() < 1) {
+  if (rows * row_elements < kParallelElements || tasks < 2 || pool.num_threads() < 1) {
     run(0, rows);
     return;
   }
@@ -196,6 +216,17 @@ void NormRows(ffi::ThreadPool pool, const T* h, const T* delta, const T* w, T* s
   while (c->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 }
 
+// The first `rows` of a [T, ...] buffer's rows are real (an int32 count, clamped); the rest are zeroed.
+int64_t RealRowsZeroingRest(ffi::Buffer<ffi::S32> num_rows, std::initializer_list<ffi::AnyBuffer*> outs) {
+  const int64_t tokens = outs.size() ? (*outs.begin())->dimensions()[0] : 0;
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, tokens);
+  for (ffi::AnyBuffer* out : outs) {
+    const size_t row_bytes = out->size_bytes() / std::max<int64_t>(tokens, 1);
+    std::memset(static_cast<char*>(out->untyped_data()) + rows * row_bytes, 0, (tokens - rows) * row_bytes);
+  }
+  return rows;
+}
+
 // h[T, d], delta (null or like h), w[d]; sum (null, or like h: h + delta), x like h.
 ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer* delta, ffi::AnyBuffer w,
                     ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer* sum, ffi::AnyBuffer x, float eps) {
@@ -208,17 +239,19 @@ ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer
       x.element_type() != type || (delta != nullptr && delta->element_type() != type))
     return ffi::Error::InvalidArgument("rms_norm_cpu: h, delta, the weight and the outputs share a dtype, "
                                        "float32 or bfloat16");
-  const int64_t tokens = hd[0], d = hd[1];
-  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, tokens);
-  const size_t width = ffi::ByteWidth(type);
-  std::memset(static_cast<char*>(x.untyped_data()) + rows * d * width, 0, (tokens - rows) * d * width);
-  if (sum != nullptr)
-    std::memset(static_cast<char*>(sum->untyped_data()) + rows * d * width, 0, (tokens - rows) * d * width);
+  const int64_t d = hd[1];
+  const int64_t rows = sum ? RealRowsZeroingRest(num_rows, {&x, sum}) : RealRowsZeroingRest(num_rows, {&x});
   auto typed = [&](auto zero) {
     using T = decltype(zero);
-    NormRows(pool, static_cast<const T*>(h.untyped_data()),
-             delta ? static_cast<const T*>(delta->untyped_data()) : nullptr, static_cast<const T*>(w.untyped_data()),
-             sum ? static_cast<T*>(sum->untyped_data()) : nullptr, static_cast<T*>(x.untyped_data()), rows, d, eps);
+    const T* hp = static_cast<const T*>(h.untyped_data());
+    const T* dp = delta ? static_cast<const T*>(delta->untyped_data()) : nullptr;
+    const T* wp = static_cast<const T*>(w.untyped_data());
+    T* sp = sum ? static_cast<T*>(sum->untyped_data()) : nullptr;
+    T* xp = static_cast<T*>(x.untyped_data());
+    ForRows(pool, rows, d, [=](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        NormRow(hp + r * d, dp ? dp + r * d : nullptr, wp, sp ? sp + r * d : nullptr, xp + r * d, d, eps);
+    });
   };
   if (type == ffi::DataType::F32) typed(0.f);
   else typed(uint16_t{0});
@@ -235,6 +268,30 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer
                           ffi::Result<ffi::AnyBuffer> x, float eps) {
   ffi::AnyBuffer s = *sum;
   return NormImpl(pool, h, &delta, w, num_rows, &s, *x, eps);
+}
+
+// gate_up[T, 2n] (the gate's n columns, then the up projection's) -> y[T, n].
+ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::S32> num_rows,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  const auto gd = gate_up.dimensions();
+  const ffi::DataType type = gate_up.element_type();
+  if (gd.size() != 2 || gd[1] % 2 != 0 || y->element_count() != gate_up.element_count() / 2)
+    return ffi::Error::InvalidArgument("silu_and_mul_cpu: expected gate_up[T,2n] and y[T,n]");
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || y->element_type() != type)
+    return ffi::Error::InvalidArgument("silu_and_mul_cpu: gate_up and y share a dtype, float32 or bfloat16");
+  ffi::AnyBuffer out = *y;
+  const int64_t rows = RealRowsZeroingRest(num_rows, {&out}), n = gd[1] / 2;
+  auto typed = [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = static_cast<const T*>(gate_up.untyped_data());
+    T* yp = static_cast<T*>(out.untyped_data());
+    ForRows(pool, rows, 3 * n, [=](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) SiluMulRow(g + 2 * r * n, g + (2 * r + 1) * n, yp + r * n, n);
+    });
+  };
+  if (type == ffi::DataType::F32) typed(0.f);
+  else typed(uint16_t{0});
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -265,3 +322,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedAddRmsNormCpu, AddRmsNormImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedSiluAndMulCpu, SiluMulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -41,6 +41,7 @@
 #endif
 
 #include "bf16.h"
+#include "exp512.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -91,18 +92,7 @@ inline float ReduceMax(Vec v) { return _mm512_reduce_max_ps(v); }
 inline float ReduceAdd(Vec v) { return _mm512_reduce_add_ps(v); }
 inline void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }  // to L2
 
-// exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by its Taylor series to
-// degree 7 (relative error < 1e-8 before rounding). Exactly 0 below -87 (and for -inf), where
-// float32 exp leaves the normal range: masked scores and empty softmax states contribute nothing.
-inline Vec Exp(Vec x) {
-  const Vec xc = _mm512_max_ps(_mm512_min_ps(x, Set1(88.5f)), Set1(-88.f));
-  const Vec n = _mm512_roundscale_ps(Mul(xc, Set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), xc);  // ln 2 split in two for an exact n * ln2_hi
-  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-  Vec y = Set1(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) y = Fma(y, r, Set1(c));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, Set1(-87.f), _CMP_GE_OQ), y, n);
-}
+inline Vec Exp(Vec x) { return jaxpaged::Exp512(x); }
 
 // Lane k = the sum of acc[k]'s lanes: pairs of vectors are folded in half and interleaved
 // (512 -> 256 -> 128 -> 64 -> 32 bits), 15 adds instead of 16 horizontal sums.
