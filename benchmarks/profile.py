@@ -4,7 +4,8 @@ summarised by kind of work.
 The trace (Perfetto / TensorBoard format, kept under ``--trace-dir``) names every device op by its
 HLO instruction name; the compiled HLO of the step and sampler programs that ran maps those names
 to kinds: the native matmul, attention and KV-write kernels, the forward's other XLA ops (norms,
-RoPE, SiLU, residual adds, embedding gather), the sampler's. The device's busy time is the union of
+RoPE, SiLU, residual adds, embedding gather: with the native CPU kernels, the norms, RoPE and SiLU are
+native kernels of their own), the sampler's. The device's busy time is the union of
 the programs' executions; the rest of the wall time is host work the device waited for.
 
 ``python -m benchmarks.profile --n 64 [--dtype bfloat16]``
@@ -28,7 +29,10 @@ from benchmarks.workload import synthetic
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 _TARGET = re.compile(r'custom_call_target="(\w+)"')
-_TARGET_KINDS = (("matmul", "matmul (native)"), ("attention", "attention (native)"), ("write_kv", "KV write (native)"))
+_LAYER_OPS = "norms, RoPE, SiLU (native)"
+_OTHER = "other XLA ops of the forward (gathers, slices; norms, RoPE, SiLU, adds if not native)"
+_TARGET_KINDS = (("matmul", "matmul (native)"), ("attention", "attention (native)"), ("write_kv", "KV write (native)"),
+                 ("rms_norm", _LAYER_OPS), ("rope", _LAYER_OPS), ("silu", _LAYER_OPS))
 _INFRASTRUCTURE = ("Thunk", "Threadpool", "Slinky", "end: ")
 
 
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   num_token_slots=runner.max_rows).compile().as_text()
         kinds.update(_op_kinds(sampler, "sampler"))
     for text in forwards:  # a name in both programs counts as the forward's, by far the larger
-        kinds.update(_op_kinds(text, "other XLA ops of the forward (norms, RoPE, SiLU, adds, gathers)"))
+        kinds.update(_op_kinds(text, _OTHER))
 
     trace = json.load(gzip.open(sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))[-1]))
     by_kind, launches = summarise(trace, kinds)

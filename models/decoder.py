@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata, cpu_matmul
-from pallas_kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rotate_half, cpu_silu_and_mul,
+from pallas_kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul,
                                           native_layer_ops_available)
 from pallas_kernels.kv_ops import take_rows
 from pallas_kernels.sharded import paged_attention, split_fused, write_kv
@@ -135,15 +135,12 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple
     return jax.lax.optimization_barrier(tuple(t.astype(dtype) for t in tables))
 
 
-def apply_rope(x: jax.Array, C: jax.Array, S: jax.Array, native: bool = False) -> jax.Array:
+def apply_rope(x: jax.Array, C: jax.Array, S: jax.Array) -> jax.Array:
     """HF's rotate-half convention on ``x[T, H, D]`` with ``rope_tables``: viewing each head as two
     halves ``(x1, x2)``, the result is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` = ``x * C + swap(x) * S``,
     where ``swap`` reverses the halves. Written so, XLA's CPU fusion ran 5-7x faster than stacking or
-    concatenating the two rotated halves (which took 5% of a SmolLM2 workload's time). With ``native``
-    (the native CPU kernels, one device) bfloat16 goes to ``cpu_rotate_half``: the same roundings, 4.6-5.9x
-    faster than XLA's bfloat16 fusion."""
-    if native and x.dtype == jnp.bfloat16:
-        return cpu_rotate_half(x, C, S)
+    concatenating the two rotated halves (which took 5% of a SmolLM2 workload's time). The native CPU
+    kernels do this (and the q/k/v split) in ``cpu_rope_qkv``."""
     T, H, D = x.shape
     halves = x.reshape(T, H, 2, D // 2)
     return (halves * C + halves[:, :, ::-1] * S).reshape(T, H, D)
@@ -237,7 +234,7 @@ class Norm(nn.Module):
 
 
 def native_layer_ops(attention_backend: str, mesh: Any) -> bool:
-    """Whether the layers' elementwise ops (bfloat16 rotary embedding, RMSNorm, SiLU(gate) * up) go to
+    """Whether the layers' elementwise ops (rotary embedding, RMSNorm, SiLU(gate) * up) go to
     the native CPU kernels: with the native attention kernels, on one device (a sharded model keeps
     XLA's ops), where they were built."""
     return attention_backend == "cpu" and mesh is None and native_layer_ops_available()
@@ -274,11 +271,14 @@ class DecoderLayer(nn.Module):
         else:
             h, x = attn_norm(h, delta, num_rows)
         qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, num_rows)
-        q, k, v = split_fused(qkv, (q_size, kv_size, kv_size), self.mesh)
-        q = q.reshape(T, c.num_heads, c.head_dim)
-        k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope, native=native), apply_rope(k, *rope, native=native)
+        if native and rope is not None and qkv.ndim == 2 and qkv.dtype in NATIVE_DTYPES:
+            q, k, v = cpu_rope_qkv(qkv, *rope, c.num_heads, c.num_kv_heads, num_rows)
+        else:
+            q, k, v = split_fused(qkv, (q_size, kv_size, kv_size), self.mesh)
+            q = q.reshape(T, c.num_heads, c.head_dim)
+            k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh)
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,

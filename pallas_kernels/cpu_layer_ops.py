@@ -1,7 +1,7 @@
 """The decoder's elementwise layers on the CPU through C++ kernels called by XLA's FFI
-(``csrc/layer_ops_cpu.cc``): the bfloat16 rotary embedding, RMSNorm, optionally fused with the
-residual add before it (as vLLM's ``fused_add_rms_norm``), and the gated MLP's SiLU(gate) * up (as
-vLLM's ``silu_and_mul``).
+(``csrc/layer_ops_cpu.cc``): the rotary embedding (with the split of the fused q/k/v projection),
+RMSNorm, optionally fused with the residual add before it (as vLLM's ``fused_add_rms_norm``), and the
+gated MLP's SiLU(gate) * up (as vLLM's ``silu_and_mul``).
 
 XLA's CPU backend runs a norm as a reduction fusion, then a fusion that scales (and one more for the
 residual add), each a pass over the activations, and bfloat16 arithmetic as a float32 round trip per
@@ -19,7 +19,7 @@ import numpy as np
 
 from pallas_kernels.native import register_cpu_targets
 
-_ROPE_TARGET = "jaxpaged_rope_cpu"
+_ROPE_TARGET = "jaxpaged_rope_qkv_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
 _ADD_NORM_TARGET = "jaxpaged_add_rms_norm_cpu"
 _SILU_TARGET = "jaxpaged_silu_and_mul_cpu"
@@ -30,7 +30,7 @@ NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def native_layer_ops_available() -> bool:
     """Load the compiled kernels and register them with XLA (once); False if they were not built."""
     return register_cpu_targets("pallas_kernels._layer_ops_cpu",
-                                {_ROPE_TARGET: "JaxpagedRopeCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
+                                {_ROPE_TARGET: "JaxpagedRopeQkvCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
                                  _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu", _SILU_TARGET: "JaxpagedSiluAndMulCpu"})
 
 
@@ -40,20 +40,29 @@ def _require_kernels() -> None:
                            "reinstall jaxpaged with g++ available")
 
 
-def cpu_rotate_half(x: jax.Array, cos_table: jax.Array, sin_table: jax.Array) -> jax.Array:
-    """``x * C + swap(x) * S`` for each head of a bfloat16 ``x[T, H, D]`` (``swap`` exchanging the halves
-    of a head; ``C``, ``S``: ``T x D`` bfloat16 elements), each product and the sum rounded to bfloat16
-    as torch (and XLA) round them: HF's rotate-half rotary embedding in one memory-bound pass, where
-    XLA's CPU fusion of the bfloat16 arithmetic ran 4.6-5.9x slower (its float32 fusion is as fast)."""
+def cpu_rope_qkv(qkv: jax.Array, cos_table: jax.Array, sin_table: jax.Array, num_heads: int, num_kv_heads: int,
+                 num_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused projection's output ``qkv[T, (Hq + 2 Hkv) * D]`` split into ``q[T, Hq, D]`` and ``k[T, Hkv, D]``,
+    rotated, and ``v[T, Hkv, D]``: ``x * C + swap(x) * S`` for each head (``swap`` exchanging its halves;
+    ``C``, ``S``: ``T x D`` elements, ``models.decoder.rope_tables``), each product and the sum rounded to
+    the dtype as torch rounds them (float32 or bfloat16, no fused multiply-add): HF's rotate-half rotary
+    embedding. One pass over ``qkv``, where XLA's CPU backend copies q, k and v out before rotating (and
+    runs the bfloat16 rotation 4.6-5.9x slower). Rows from ``num_rows`` (None: all) on come out zero."""
     _require_kernels()
-    bf16 = jnp.dtype(jnp.bfloat16)
-    if not x.dtype == cos_table.dtype == sin_table.dtype == bf16:
-        raise ValueError(f"the native rotary kernel takes bfloat16 x and tables, got {x.dtype}, {cos_table.dtype}, "
-                         f"{sin_table.dtype}")
-    if x.ndim != 3 or x.shape[2] % 2 or cos_table.size != x.shape[0] * x.shape[2] or sin_table.shape != cos_table.shape:
-        raise ValueError(f"expected x[T, H, D] with D even and tables of T x D elements, got {x.shape}, "
-                         f"{cos_table.shape}, {sin_table.shape}")
-    return jax.ffi.ffi_call(_ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, cos_table, sin_table)
+    if not qkv.dtype == cos_table.dtype == sin_table.dtype or qkv.dtype not in NATIVE_DTYPES:
+        raise ValueError(f"the native rotary kernel takes float32 or bfloat16 qkv and tables of one dtype, got "
+                         f"{qkv.dtype}, {cos_table.dtype}, {sin_table.dtype}")
+    heads = num_heads + 2 * num_kv_heads
+    T = qkv.shape[0]
+    d = qkv.shape[-1] // heads if qkv.ndim == 2 and heads > 0 else 0
+    if (qkv.ndim != 2 or num_heads <= 0 or num_kv_heads <= 0 or d * heads != qkv.shape[1] or d % 2
+            or cos_table.size != T * d or sin_table.shape != cos_table.shape):
+        raise ValueError(f"expected qkv[T, (Hq + 2 Hkv) * D] with D even ({num_heads} + 2 x {num_kv_heads} heads) "
+                         f"and tables of T x D elements, got {qkv.shape}, {cos_table.shape}, {sin_table.shape}")
+    rows = jnp.asarray(T if num_rows is None else num_rows, jnp.int32).reshape(())
+    kv = jax.ShapeDtypeStruct((T, num_kv_heads, d), qkv.dtype)
+    out = (jax.ShapeDtypeStruct((T, num_heads, d), qkv.dtype), kv, kv)
+    return tuple(jax.ffi.ffi_call(_ROPE_TARGET, out)(qkv, cos_table, sin_table, rows))
 
 
 def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Array | None = None,

@@ -1,4 +1,4 @@
-"""The native CPU layer kernels (``pallas_kernels.cpu_layer_ops``): the bfloat16 rotary embedding,
+"""The native CPU layer kernels (``pallas_kernels.cpu_layer_ops``): the rotary embedding,
 RMSNorm (with the residual add fused) and SiLU(gate) * up, against torch's (HF's) arithmetic and the
 model's XLA path."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models.decoder import Norm, activate, apply_rope, rope_tables
-from pallas_kernels.cpu_layer_ops import cpu_rms_norm, cpu_rotate_half, cpu_silu_and_mul, native_layer_ops_available
+from pallas_kernels.cpu_layer_ops import cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul, native_layer_ops_available
 
 needs_kernels = pytest.mark.skipif(not native_layer_ops_available(), reason="native CPU layer kernels not built")
 
@@ -27,35 +27,51 @@ def _f32(a) -> np.ndarray:
 
 
 @needs_kernels
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 32), (7, 3, 64), (64, 9, 64), (5, 2, 128)])
-def test_native_rotary_matches_torch_and_the_xla_path(tokens: int, heads: int, head_dim: int) -> None:
-    """The native bfloat16 rotation rounds as HF's ``q * cos + rotate_half(q) * sin`` does on bfloat16
-    tensors in torch, bit for bit, and as the model's XLA path (``apply_rope``) does."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 1, 1, 32), (7, 3, 1, 64), (64, 9, 3, 64),
+                                                             (5, 2, 2, 128), (3, 4, 2, 40)])
+def test_native_rotary_matches_torch(dtype, tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """q and k come out of the fused projection rotated as HF's ``q * cos + rotate_half(q) * sin`` rounds
+    them in torch, bit for bit in both dtypes, and v as its slice; in bfloat16 also bit for bit the
+    model's XLA path (``apply_rope``), which in float32 may fuse a multiply-add."""
     rng = np.random.default_rng(tokens * heads + head_dim)
-    x = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)) * 4, jnp.bfloat16)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = jnp.asarray(rng.standard_normal((tokens, q_size + 2 * kv_size)) * 4, dtype)
     positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
-    C, S = rope_tables(positions, inv_freq, jnp.bfloat16)
-    native = np.asarray(jax.jit(cpu_rotate_half)(x, C, S).astype(jnp.float32))
-    xla = np.asarray(jax.jit(apply_rope)(x, C, S).astype(jnp.float32))
-
-    q = _to_torch(x)
+    C, S = rope_tables(positions, inv_freq, dtype)
+    q, k, v = jax.jit(cpu_rope_qkv, static_argnums=(3, 4))(qkv, C, S, heads, kv_heads)
     cos = _to_torch(C.reshape(tokens, 1, head_dim))
     sin = -_to_torch(S.reshape(tokens, 1, head_dim)[..., : head_dim // 2]).repeat(1, 1, 2)
     half = head_dim // 2
-    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    hf = (q * cos + rotated * sin).float().numpy()
-    np.testing.assert_array_equal(native, hf)
-    np.testing.assert_array_equal(native, xla)
+    for out, part in ((q, qkv[:, :q_size].reshape(tokens, heads, head_dim)),
+                      (k, qkv[:, q_size:q_size + kv_size].reshape(tokens, kv_heads, head_dim))):
+        x = _to_torch(part)
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        np.testing.assert_array_equal(_f32(out), _f32(x * cos + rotated * sin))
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(_f32(out), _f32(jax.jit(apply_rope)(part, C, S)))
+    np.testing.assert_array_equal(_f32(v), _f32(qkv[:, q_size + kv_size:].reshape(tokens, kv_heads, head_dim)))
 
 
 @needs_kernels
-def test_native_rotary_rejects_other_dtypes_and_shapes() -> None:
-    x, table = jnp.zeros((4, 2, 8), jnp.bfloat16), jnp.zeros((4, 1, 2, 4), jnp.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_rotate_half(x.astype(jnp.float32), table, table)
+def test_native_rotary_zeroes_padding_rows_and_rejects_bad_input() -> None:
+    rng = np.random.default_rng(3)
+    qkv = jnp.asarray(rng.standard_normal((6, 4 * 16)), jnp.float32)
+    C, S = rope_tables(jnp.arange(6), 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16)), jnp.float32)
+    padded = jax.jit(cpu_rope_qkv, static_argnums=(3, 4))(qkv, C, S, 2, 1, jnp.int32(4))
+    full = cpu_rope_qkv(qkv, C, S, 2, 1)
+    for p, f in zip(padded, full):
+        np.testing.assert_array_equal(np.asarray(p[:4]), np.asarray(f[:4]))
+        assert not np.asarray(p[4:]).any() and np.asarray(f[4:]).any()
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_rope_qkv(qkv.astype(jnp.bfloat16), C, S, 2, 1)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_rope_qkv(qkv.astype(jnp.float16), C.astype(jnp.float16), S.astype(jnp.float16), 2, 1)
     with pytest.raises(ValueError, match="D even"):
-        cpu_rotate_half(jnp.zeros((4, 2, 7), jnp.bfloat16), table, table)
+        cpu_rope_qkv(qkv, C, S, 3, 1)
+    with pytest.raises(ValueError, match="D even"):
+        cpu_rope_qkv(jnp.zeros((6, 4 * 7), jnp.float32), C, S, 2, 1)
 
 
 def _torch_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // The decoder's per-token elementwise layers for the CPU, called from XLA through the FFI: the rotary
-// embedding of bfloat16 heads, RMSNorm (optionally fused with the residual add before it) and the gated
+// embedding (with the split of the fused q/k/v projection), RMSNorm (optionally fused with the residual add before it) and the gated
 // MLP's SiLU(gate) * up. Each is one pass over its rows, where XLA's CPU fusions take several (a norm is
 // a reduction fusion, then a second pass that scales) and run bfloat16 arithmetic as a float32 round
 // trip per operation.
@@ -29,58 +29,22 @@ namespace {
 using jaxpaged::Bf16ToF32;
 using jaxpaged::F32ToBf16;
 
-// ------------------------------------------------------------------------------ rotary embeddings
-// y = x * C + swap(x) * S for each head of a bfloat16 x[T, H, D], with C and S the step's tables ([T, D]
-// as [T, 1, 2, D/2]: (cos, cos) and (-sin, sin)) and swap exchanging the two halves of a head: HF's
-// rotate-half, with torch's roundings (each product and the sum computed in float32 and rounded to
-// bfloat16, nearest even), which are also those of XLA's fusion. Memory-bound, one pass over x: XLA's
-// CPU fusion of the same arithmetic (a float32 round trip per operation) ran 4.6-5.9x slower. (In float32
-// XLA's fusion is as fast as this.)
-
-// One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
-inline void RotateHalf(const uint16_t* x, const uint16_t* partner, const uint16_t* c, const uint16_t* s,
-                       uint16_t* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float a = Bf16ToF32(F32ToBf16(Bf16ToF32(x[j]) * Bf16ToF32(c[j])));
-    const float b = Bf16ToF32(F32ToBf16(Bf16ToF32(partner[j]) * Bf16ToF32(s[j])));
-    y[j] = F32ToBf16(a + b);
-  }
-}
-
-ffi::Error RopeImpl(ffi::AnyBuffer x, ffi::AnyBuffer cos_table, ffi::AnyBuffer sin_table, ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions();
-  const auto cd = cos_table.dimensions();
-  const auto table_size = static_cast<size_t>(xd.size() == 3 ? xd[0] * xd[2] : 0);
-  if (xd.size() != 3 || xd[2] % 2 != 0 || cos_table.element_count() != table_size ||
-      sin_table.element_count() != table_size || cd.size() == 0 || cd[0] != xd[0])
-    return ffi::Error::InvalidArgument("rope_cpu: expected x[T,H,D] (D even) and tables of T x D elements");
-  for (const ffi::DataType type : {x.element_type(), cos_table.element_type(), sin_table.element_type(),
-                                   y->element_type()})
-    if (type != ffi::DataType::BF16) return ffi::Error::InvalidArgument("rope_cpu: x, the tables and y are bfloat16");
-  const int64_t tokens = xd[0], heads = xd[1], d = xd[2], half = d / 2;
-  const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
-  const auto* cs = static_cast<const uint16_t*>(cos_table.untyped_data());
-  const auto* ss = static_cast<const uint16_t*>(sin_table.untyped_data());
-  auto* ys = static_cast<uint16_t*>(y->untyped_data());
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cs + t * d;
-    const uint16_t* s = ss + t * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const uint16_t* xh = xs + (t * heads + h) * d;
-      uint16_t* yh = ys + (t * heads + h) * d;
-      RotateHalf(xh, xh + half, c, s, yh, half);
-      RotateHalf(xh + half, xh, c + half, s + half, yh + half, half);
-    }
-  }
-  return ffi::Error::Success();
-}
-
 // ------------------------------------------------------------------------------------------ RMSNorm
 // x = w * round(s * rsqrt(mean(s * s) + eps)) per row, with s = round(h + delta) (the residual stream
 // after the add; s = h without delta), the statistics in float32 and round() to the rows' dtype: the
 // roundings of HF's (and the model's XLA) RMSNorm, whose sum of squares differs only in its order.
 // Rows past `rows` (a padded batch's padding) come out zero.
+
+// Elements of the rows' dtype T (float, or uint16_t holding bfloat16) as float32, and back (rounded).
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
+template <typename T>
+inline T FromF32(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return F32ToBf16(x);
+}
+template <typename T>
+inline float Round(float x) { return ToF32(FromF32<T>(x)); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 elements at a time, as float32 vectors; `m` masks a row's tail. With AVX512-BF16 a vector is rounded
@@ -145,15 +109,6 @@ void SiluMulRow(const T* g, const T* u, T* y, int64_t n) {
   }
 }
 #else
-inline float ToF32(float x) { return x; }
-inline float ToF32(uint16_t x) { return Bf16ToF32(x); }
-template <typename T>
-inline T FromF32(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return F32ToBf16(x);
-}
-template <typename T>
-inline float Round(float x) { return ToF32(FromF32<T>(x)); }
 
 template <typename T>
 void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, float eps) {
@@ -227,6 +182,74 @@ int64_t RealRowsZeroingRest(ffi::Buffer<ffi::S32> num_rows, std::initializer_lis
   return rows;
 }
 
+// ------------------------------------------------------------------------------ rotary embeddings
+// The fused projection's output qkv[T, (Hq + 2 Hkv) * D] -> q[T, Hq, D] and k[T, Hkv, D] rotated, v[T, Hkv, D]
+// copied: y = x * C + swap(x) * S for each head, C and S the step's tables (T x D: (cos, cos) and
+// (-sin, sin) per token), swap exchanging the two halves of a head: HF's rotate-half, with torch's
+// roundings (each product and the sum rounded to the dtype; no fused multiply-add). One pass over qkv,
+// where XLA's CPU backend sliced q, k and v out of it (three copies) before its rotation fusions (in
+// bfloat16 4.6-5.9x slower than this kernel's rotation alone).
+
+// One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
+template <typename T>
+inline void RotateHalf(const T* x, const T* partner, const T* c, const T* s, T* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j)
+    y[j] = FromF32<T>(Round<T>(ToF32(x[j]) * ToF32(c[j])) + Round<T>(ToF32(partner[j]) * ToF32(s[j])));
+}
+
+template <typename T>
+inline void RotateHeads(const T* x, const T* c, const T* s, T* y, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h, x += d, y += d) {
+    RotateHalf(x, x + half, c, s, y, half);
+    RotateHalf(x + half, x, c + half, s + half, y + half, half);
+  }
+}
+
+ffi::Error RopeQkvImpl(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::AnyBuffer cos_table, ffi::AnyBuffer sin_table,
+                       ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> k,
+                       ffi::Result<ffi::AnyBuffer> v) {
+  const auto qd = q->dimensions(), kd = k->dimensions(), xd = qkv.dimensions();
+  const ffi::DataType type = qkv.element_type();
+  const int64_t tokens = xd.size() == 2 ? xd[0] : -1;
+  const int64_t d = qd.size() == 3 ? qd[2] : 0;
+  if (xd.size() != 2 || qd.size() != 3 || kd.size() != 3 || qd[0] != tokens || kd[0] != tokens || kd[2] != d ||
+      d % 2 != 0 || v->element_count() != k->element_count() || xd[1] != (qd[1] + 2 * kd[1]) * d ||
+      cos_table.element_count() != static_cast<size_t>(tokens * d) ||
+      sin_table.element_count() != cos_table.element_count())
+    return ffi::Error::InvalidArgument("rope_qkv_cpu: expected qkv[T,(Hq+2Hkv)*D] (D even), q[T,Hq,D], k and v "
+                                       "[T,Hkv,D], tables of T x D elements");
+  for (const ffi::DataType t : {cos_table.element_type(), sin_table.element_type(), q->element_type(),
+                                k->element_type(), v->element_type()})
+    if (t != type || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
+      return ffi::Error::InvalidArgument("rope_qkv_cpu: qkv, the tables and the outputs share a dtype, float32 or "
+                                         "bfloat16");
+  ffi::AnyBuffer qo = *q, ko = *k, vo = *v;
+  const int64_t rows = RealRowsZeroingRest(num_rows, {&qo, &ko, &vo});
+  const int64_t hq = qd[1], hkv = kd[1], width = xd[1];
+  auto typed = [&](auto zero) {
+    using T = decltype(zero);
+    const T* x = static_cast<const T*>(qkv.untyped_data());
+    const T* cs = static_cast<const T*>(cos_table.untyped_data());
+    const T* ss = static_cast<const T*>(sin_table.untyped_data());
+    T* qp = static_cast<T*>(qo.untyped_data());
+    T* kp = static_cast<T*>(ko.untyped_data());
+    T* vp = static_cast<T*>(vo.untyped_data());
+    ForRows(pool, rows, width, [=](int64_t r0, int64_t r1) {
+      for (int64_t t = r0; t < r1; ++t) {
+        const T* row = x + t * width;
+        RotateHeads(row, cs + t * d, ss + t * d, qp + t * hq * d, hq, d);
+        RotateHeads(row + hq * d, cs + t * d, ss + t * d, kp + t * hkv * d, hkv, d);
+        std::memcpy(vp + t * hkv * d, row + (hq + hkv) * d, hkv * d * sizeof(T));
+      }
+    });
+  };
+  if (type == ffi::DataType::F32) typed(0.f);
+  else typed(uint16_t{0});
+  return ffi::Error::Success();
+}
+
 // h[T, d], delta (null or like h), w[d]; sum (null, or like h: h + delta), x like h.
 ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer* delta, ffi::AnyBuffer w,
                     ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer* sum, ffi::AnyBuffer x, float eps) {
@@ -296,11 +319,15 @@ ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::Buffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRopeCpu, RopeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRopeQkvCpu, RopeQkvImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRmsNormCpu, RmsNormImpl,
