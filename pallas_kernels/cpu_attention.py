@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.native import register_cpu_targets
+from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets
 
 _TARGET = "jaxpaged_paged_attention_cpu"
 _WRITE_TARGET = "jaxpaged_write_kv_cpu"
-NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.cache

@@ -17,13 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import register_cpu_targets
+from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets
 
 _ROPE_TARGET = "jaxpaged_rope_qkv_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
 _ADD_NORM_TARGET = "jaxpaged_add_rms_norm_cpu"
 _SILU_TARGET = "jaxpaged_silu_and_mul_cpu"
-NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.cache

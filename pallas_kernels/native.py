@@ -7,6 +7,10 @@ import functools
 import importlib.util
 
 import jax
+import jax.numpy as jnp
+
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+"""The dtypes the native attention and layer kernels take."""
 
 
 @functools.cache
