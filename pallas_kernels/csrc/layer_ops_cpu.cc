@@ -1,6 +1,6 @@
 // The decoder's per-token elementwise layers for the CPU, called from XLA through the FFI: the rotary
-// embedding (with the split of the fused q/k/v projection), RMSNorm (optionally fused with the residual add before it) and the gated
-// MLP's SiLU(gate) * up. Each is one pass over its rows, where XLA's CPU fusions take several (a norm is
+// embedding (with the split of the fused q/k/v projection), RMSNorm (optionally fused with the residual
+// add before it) and the gated MLP's SiLU(gate) * up. Each is one pass over its rows, where XLA's CPU fusions take several (a norm is
 // a reduction fusion, then a second pass that scales) and run bfloat16 arithmetic as a float32 round
 // trip per operation.
 
@@ -14,18 +14,15 @@
 #include <thread>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "bf16.h"
-#include "exp512.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxpaged::simd;  // NOLINT: the kernels are written in its 16-lane operations
 using jaxpaged::Bf16ToF32;
 using jaxpaged::F32ToBf16;
 
@@ -46,16 +43,12 @@ inline T FromF32(float x) {
 template <typename T>
 inline float Round(float x) { return ToF32(FromF32<T>(x)); }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 elements at a time, as float32 vectors; `m` masks a row's tail. With AVX512-BF16 a vector is rounded
-// to bfloat16 in one instruction (nearest even; it treats float32 denormals as zero, as XLA's CPU
-// runtime does: it runs with denormals flushed).
-inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 Load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void Store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline __m256i ToBf16(__m512 v) {
+// Rows are read and written 16 elements at a time as float32 vectors (vec16.h), `m` masking a row's tail.
+// With AVX512-BF16 a vector is rounded to bfloat16 in one instruction (nearest even; it treats float32
+// denormals as zero, as XLA's CPU runtime does: it runs with denormals flushed).
+#if JAXPAGED_AVX512
+inline void Store16(float* p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline __m256i ToBf16(Vec v) {
 #if defined(__AVX512BF16__)
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
 #else
@@ -68,76 +61,53 @@ inline __m256i ToBf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 #endif
 }
-inline void Store16(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, ToBf16(v)); }
-// v rounded to T and back (a no-op for float32).
-inline __m512 Round(__m512 v, float) { return v; }
-inline __m512 Round(__m512 v, uint16_t) {
+inline void Store16(uint16_t* p, Vec v, Mask m) { _mm256_mask_storeu_epi16(p, m, ToBf16(v)); }
+inline Vec Round(Vec v, float) { return v; }  // v rounded to the dtype and back: a no-op for float32
+inline Vec Round(Vec v, uint16_t) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ToBf16(v)), 16));
 }
+#else
+template <typename T>
+inline void Store16(T* p, Vec v, Mask m) {
+  for (int i = 0; i < kLanes; ++i)
+    if (m >> i & 1) p[i] = FromF32<T>(v.v[i]);
+}
+template <typename T>
+inline Vec Round(Vec v, T) { return Map([&](int i) { return Round<T>(v.v[i]); }); }
+#endif
 
 template <typename T>
 void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, float eps) {
-  __m512 sq0 = _mm512_setzero_ps(), sq1 = _mm512_setzero_ps();  // two chains: the adds' latency
+  Vec sq0 = Zero(), sq1 = Zero();  // two chains: the adds' latency
   for (int64_t j = 0; j < d; j += 16) {
-    const __mmask16 m = d - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - j)) - 1);
-    __m512 s = Load16(h + j, m);
+    const Mask m = FirstLanes(d - j);
+    Vec s = LoadMasked(h + j, m);
     if (delta != nullptr) {
-      s = Round(_mm512_add_ps(s, Load16(delta + j, m)), T{});
+      s = Round(Add(s, LoadMasked(delta + j, m)), T{});
       Store16(sum + j, s, m);
     }
-    if ((j / 16) % 2) sq1 = _mm512_fmadd_ps(s, s, sq1);
-    else sq0 = _mm512_fmadd_ps(s, s, sq0);
+    if (j / 16 % 2) sq1 = Fma(s, s, sq1);
+    else sq0 = Fma(s, s, sq0);
   }
   if (delta != nullptr) h = sum;
-  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(sq0, sq1)) / static_cast<float>(d) + eps);
-  const __m512 rv = _mm512_set1_ps(r);
+  const Vec r = Set1(1.f / std::sqrt(ReduceAdd(Add(sq0, sq1)) / static_cast<float>(d) + eps));
   for (int64_t j = 0; j < d; j += 16) {
-    const __mmask16 m = d - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - j)) - 1);
-    Store16(x + j, _mm512_mul_ps(Load16(w + j, m), Round(_mm512_mul_ps(Load16(h + j, m), rv), T{})), m);
+    const Mask m = FirstLanes(d - j);
+    Store16(x + j, Mul(LoadMasked(w + j, m), Round(Mul(LoadMasked(h + j, m), r), T{})), m);
   }
 }
+
 // y = round(round(silu(g)) * u) with silu(g) = g / (1 + exp(-g)) in float32: the activation rounded
 // once to the dtype (as torch's kernels and models.decoder.activate round it), then the product.
 template <typename T>
 void SiluMulRow(const T* g, const T* u, T* y, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-    const __m512 gv = Load16(g + j, m);
-    const __m512 e = jaxpaged::Exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    const __m512 a = Round(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
-    Store16(y + j, _mm512_mul_ps(a, Load16(u + j, m)), m);
+    const Mask m = FirstLanes(n - j);
+    const Vec gv = LoadMasked(g + j, m);
+    const Vec a = Round(Div(gv, Add(Set1(1.f), Exp(Mul(gv, Set1(-1.f))))), T{});
+    Store16(y + j, Mul(a, LoadMasked(u + j, m)), m);
   }
 }
-#else
-
-template <typename T>
-void NormRow(const T* h, const T* delta, const T* w, T* sum, T* x, int64_t d, float eps) {
-  float squares = 0.f;
-  if (delta != nullptr) {
-#pragma omp simd reduction(+ : squares)
-    for (int64_t j = 0; j < d; ++j) {
-      const T s = FromF32<T>(ToF32(h[j]) + ToF32(delta[j]));
-      sum[j] = s;
-      squares += ToF32(s) * ToF32(s);
-    }
-    h = sum;
-  } else {
-#pragma omp simd reduction(+ : squares)
-    for (int64_t j = 0; j < d; ++j) squares += ToF32(h[j]) * ToF32(h[j]);
-  }
-  const float r = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
-#pragma omp simd
-  for (int64_t j = 0; j < d; ++j) x[j] = FromF32<T>(ToF32(w[j]) * Round<T>(ToF32(h[j]) * r));
-}
-template <typename T>
-void SiluMulRow(const T* g, const T* u, T* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float gj = ToF32(g[j]);
-    y[j] = FromF32<T>(Round<T>(gj / (1.f + std::exp(-gj))) * ToF32(u[j]));
-  }
-}
-#endif
 
 // Rows per task when a call is split over the pool: below this many elements in all a call runs on
 // the caller's thread alone (waking a pool thread costs more than the pass).
@@ -169,6 +139,13 @@ void ForRows(ffi::ThreadPool pool, int64_t rows, int64_t row_elements, F run) {
     });
   work();
   while (c->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+}
+
+// f(T{}) with T the element type of `type` (float32, or bfloat16 held as uint16_t).
+template <typename F>
+void ForDtype(ffi::DataType type, F f) {
+  if (type == ffi::DataType::F32) f(0.f);
+  else f(uint16_t{0});
 }
 
 // The first `rows` of a [T, ...] buffer's rows are real (an int32 count, clamped); the rest are zeroed.
@@ -245,8 +222,7 @@ ffi::Error RopeQkvImpl(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::AnyBuffer 
       }
     });
   };
-  if (type == ffi::DataType::F32) typed(0.f);
-  else typed(uint16_t{0});
+  ForDtype(type, typed);
   return ffi::Error::Success();
 }
 
@@ -276,8 +252,7 @@ ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer
         NormRow(hp + r * d, dp ? dp + r * d : nullptr, wp, sp ? sp + r * d : nullptr, xp + r * d, d, eps);
     });
   };
-  if (type == ffi::DataType::F32) typed(0.f);
-  else typed(uint16_t{0});
+  ForDtype(type, typed);
   return ffi::Error::Success();
 }
 
@@ -312,8 +287,7 @@ ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::Buffer
       for (int64_t r = r0; r < r1; ++r) SiluMulRow(g + 2 * r * n, g + (2 * r + 1) * n, yp + r * n, n);
     });
   };
-  if (type == ffi::DataType::F32) typed(0.f);
-  else typed(uint16_t{0});
+  ForDtype(type, typed);
   return ffi::Error::Success();
 }
 
