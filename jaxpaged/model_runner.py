@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,16 +119,55 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-def _step(statics, param_leaves, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
-          prev_tokens=None, num_logits=None):
+def _step(statics, layout, param_leaves, kv_pages, packed, prev_tokens=None):
     # The params arrive as a flat tuple (their structure static): flattening SmolLM2's nested dict of
-    # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does.
+    # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does. The step's int32 inputs arrive
+    # packed in one array (``_pack_inputs``): each host array handed to a jitted call is a transfer
+    # of its own, ~5 us each once the device step has evicted the host's caches.
+    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
-    if prev_index is not None:
+    if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     logits, kv_pages = statics.module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices,
                                             num_logits)
     return kv_pages, logits
+
+
+_MD_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
+
+
+@dataclass(frozen=True)
+class _InputLayout:
+    """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions,
+    the metadata arrays (``_MD_ARRAYS``), logits_indices, prev_index, num_logits. Static: part of
+    the program's key, with the metadata's tile size."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    tile_size: int
+
+
+def _pack_inputs(input_ids, positions, md, logits_indices, prev_index=None, num_logits=None):
+    """The step's int32 inputs as one flat host array, and its layout. No ``prev_index`` means no
+    in-flight token (all -1), no ``num_logits`` every ``logits_indices`` entry."""
+    if prev_index is None:
+        prev_index = np.full(np.shape(input_ids), -1, np.int32)
+    if num_logits is None:
+        num_logits = np.shape(logits_indices)[0]
+    arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, *(getattr(md, f) for f in _MD_ARRAYS),
+                                                  logits_indices, prev_index, num_logits)]
+    return np.concatenate([a.ravel() for a in arrays]), _InputLayout(tuple(a.shape for a in arrays), md.tile_size)
+
+
+def _unpack_inputs(packed, layout: _InputLayout):
+    """``_pack_inputs`` undone inside the program: static slices of the packed array."""
+    arrays, at = [], 0
+    for shape in layout.shapes:
+        size = math.prod(shape)
+        arrays.append(packed[at:at + size].reshape(shape))
+        at += size
+    input_ids, positions, *md_arrays, logits_indices, prev_index, num_logits = arrays
+    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), tile_size=layout.tile_size)
+    return input_ids, positions, md, logits_indices, prev_index, num_logits
 
 
 @functools.cache
@@ -135,29 +175,38 @@ def _jit_step(mesh):
     """``_step`` jitted for one device mesh (None: one device). On a mesh the shardings are explicit:
     params as placed, KV pages split on the kv-head axis in and out (donated), step inputs
     replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler."""
+    static = ("statics", "layout")
     if mesh is None:
-        return jax.jit(_step, static_argnames=("statics",), donate_argnames=("kv_pages",))
+        return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_step, static_argnames=("statics",), donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep, rep, rep, rep, rep), out_shardings=(kv, rep))
+    return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",),
+                   in_shardings=(None, kv, rep, rep), out_shardings=(kv, rep))
 
 
-def step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None, prev_tokens=None,
-            num_logits=None):
-    """The model part of the step: forward over the ragged batch, KV written in place, logits out.
+def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
+               prev_tokens=None, num_logits=None):
+    """The jitted step and its arguments."""
+    m = StepModel.of(module, params)
+    packed, layout = _pack_inputs(input_ids, positions, md, logits_indices, prev_index, num_logits)
+    return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed, prev_tokens)
+
+
+def step_fn(*args, **kwargs):
+    """``step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
+    prev_tokens=None, num_logits=None) -> (kv_pages, logits)``: the model part of the step, forward
+    over the ragged batch, KV written in place, logits out.
 
     Module-level (the Flax module is part of a static argument, and carries its device mesh under
     tensor parallelism) so engines with the same model share compiled programs. ``params`` is the
     param tree, or the ``StepModel`` of both (what the runner passes each step).
     """
-    m = StepModel.of(module, params)
-    return _jit_step(getattr(module, "mesh", None))(m.statics, m.leaves, kv_pages, input_ids, positions, md,
-                                                     logits_indices, prev_index, prev_tokens, num_logits)
+    fn, call_args = _step_call(*args, **kwargs)
+    return fn(*call_args)
 
 
-def _lower_step(module, params, *args):
-    m = StepModel.of(module, params)
-    return _jit_step(getattr(module, "mesh", None)).lower(m.statics, m.leaves, *args)
+def _lower_step(*args, **kwargs):
+    fn, call_args = _step_call(*args, **kwargs)
+    return fn.lower(*call_args)
 
 
 step_fn.lower = _lower_step
