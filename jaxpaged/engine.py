@@ -254,9 +254,12 @@ class LLMEngine:
                              f"got {too_big[:5]}.")
         seed = (sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)) & _SEED_MASK
         arrival = arrival_time if arrival_time is not None else time.time()
+        eos = self.tokenizer.eos_token_id
+        final_stops = (frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
+                       if sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.stop else None)
         samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
                            sampling_params=sp, max_tokens=max_tokens, seed=_sample_seed(seed, i),
-                           eos_token_id=self.tokenizer.eos_token_id, cache_salt=cache_salt, prompt=text,
+                           eos_token_id=eos, final_stop_ids=final_stops, cache_salt=cache_salt, prompt=text,
                            arrival_time=arrival,
                            sample_index=i,
                            output_top_logprobs=[] if sp.logprobs is not None else None,
@@ -278,12 +281,12 @@ class LLMEngine:
         if any(r.request_id in self._groups or r.request_id in self._beam_searches for r in samples):
             raise ValueError(f"request id {req.request_id!r} is already in use; give each request a unique id.")
         # One sequence until the prompt is computed; the scheduler then forks the other samples.
-        req.pending_forks = list(req.forks)
+        req.pending_forks = tuple(req.forks)
         req.reserved_seqs = len(req.forks)
         try:
             self.scheduler.add_request(req)
         except ValueError:
-            req.pending_forks, req.reserved_seqs = [], 0
+            req.pending_forks, req.reserved_seqs = (), 0
             raise
         sp = req.sampling_params
         self._num_synchronous += sp.needs_penalties
@@ -309,7 +312,7 @@ class LLMEngine:
         for r in [parent, *parent.forks]:
             if self.scheduler.abort_request(r.request_id) is None and not r.is_finished:
                 r.status = RequestStatus.FINISHED_ABORTED      # a sample not forked yet
-        parent.pending_forks = []
+        parent.pending_forks = ()
         self._forget(parent)
 
     def _forget(self, parent: Request) -> None:
@@ -442,7 +445,7 @@ class LLMEngine:
         rows = itertools.compress(enumerate(out.requests), out.samples)
         if out.forks:
             rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
-        beam_of, final_only = self._beam_of, RequestOutputKind.FINAL_ONLY
+        beam_of = self._beam_of
         for i, req in rows:
             req.num_output_placeholders -= 1
             if req.is_finished:             # aborted (or stopped) while this step ran: its token is dropped
@@ -466,9 +469,9 @@ class LLMEngine:
                     token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
                     sampled.top_logprobs[i, :sp.logprobs]))
             # The common decode step of LLM.generate (no text read before the end, no output yet):
-            # only a stop string, EOS, a stop id or the length limit can end a sample, and none can here.
-            if (sp.output_kind is final_only and not sp.stop and len(ids) < req.max_tokens
-                    and token != req.eos_token_id and token not in sp.stop_token_ids):
+            # only EOS, a stop id or the length limit can end such a sample, and none does here.
+            stops = req.final_stop_ids
+            if stops is not None and len(ids) < req.max_tokens and token not in stops:
                 continue
             status = self._check_stop(req)
             if status is not None:

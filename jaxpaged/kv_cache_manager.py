@@ -270,6 +270,11 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._changed: dict[str, TableChange] = {}
         """Requests whose block tables changed since ``take_changed_tables``, in order of first change."""
+        self.shared_tails: set[str] = set()
+        """Requests whose partly filled last block may be shared (they were forked, or forked from),
+        until their next ``allocate_slots`` copies it or finds it private. No other request's next
+        write can hit a shared block: prefix caching shares only full blocks, which are never written
+        again. The scheduler's decode step skips the block lookup for every request not in here."""
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
@@ -304,6 +309,8 @@ class KVCacheManager:
         i = computed // self.block_size
         cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
         if cow is None and total <= len(block_ids) * self.block_size:
+            if num_new_tokens > 0:         # the block it writes next is its own
+                self.shared_tails.discard(request.request_id)
             return True                    # the common decode step: room left in a private last block
         missing = max(0, self.blocks_needed(total) - len(block_ids))
         needed = missing + (cow is not None)
@@ -317,6 +324,7 @@ class KVCacheManager:
             self._pending_copies.append((src, dst))
         first = len(block_ids) if cow is None else cow
         block_ids.extend(self.pool.allocate(missing))
+        self.shared_tails.discard(request.request_id)
         self._mark_changed(request, first)
         if self.enable_caching:
             self._publish_full_blocks(request, total)
@@ -346,6 +354,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into request {child.request_id!r}: it already holds blocks.")
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
+        self.shared_tails.update((parent.request_id, child.request_id))
         self._mark_changed(child)
         child.num_computed_tokens = parent.num_computed_tokens
         if parent.request_id in self._hashes:
@@ -364,6 +373,7 @@ class KVCacheManager:
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
         self._mark_changed(request)
+        self.shared_tails.discard(request.request_id)
         request.host_block_ids = host
         self._num_published.pop(request.request_id, None)
         return pairs
@@ -417,6 +427,7 @@ class KVCacheManager:
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
         self._mark_changed(request)
+        self.shared_tails.discard(request.request_id)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []

@@ -11,6 +11,7 @@ moves the blocks to host pages (``host_block_ids``) and keeps ``num_computed_tok
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxpaged.sampling_params import SamplingParams
@@ -67,13 +68,28 @@ class Request:
     """Resolved output length limit (``sampling_params.max_tokens`` or what fits)."""
     seed: int
     """Resolved sampling seed (the user's, or one the engine drew)."""
+    # The fields a decode step reads and writes come first: they share the object's first cache lines.
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Output tokens sampled by steps in flight on the device, not yet appended (async scheduling):
+    the scheduler counts them as known, the model reads their ids on the device."""
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
     eos_token_id: int | None = None
+    final_stop_ids: frozenset[int] | None = None
+    """For a sample whose text nothing reads before it ends (``FINAL_ONLY``, no stop strings): the
+    tokens that may end it before its length limit (EOS, stop ids), so the engine can pass over
+    every other token without its sampling parameters. None: every token is checked in full."""
+    pending_forks: Sequence["Request"] = ()
+    """Samples the scheduler forks from this request in the step that computes its last prompt
+    token: they share its blocks and draw their first token from the same logits. (Empty: the
+    shared empty tuple, which the scheduler's test for forks finds in cache, unlike a list of its own.)"""
+    block_ids: list[int] = field(default_factory=list)
+    """Physical KV blocks, in logical order; filled by the KVCacheManager."""
     cache_salt: str | None = None
     """Isolates prefix-cache sharing: only requests with the same salt share blocks."""
     prompt: str | None = None
     arrival_time: float = 0.0
-    status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     """The chosen tokens' logprobs, when ``sampling_params.needs_logprobs`` (``best_of`` ranks samples by their sum)."""
     output_top_logprobs: list[TokenLogprobs] | None = None
@@ -89,21 +105,12 @@ class Request:
     """Which of the request's ``best_of`` samples this is (``forks`` holds samples 1..best_of-1)."""
     forks: list["Request"] = field(default_factory=list)
     """The other samples of an ``n``/``best_of`` > 1 request (on the first sample only)."""
-    pending_forks: list["Request"] = field(default_factory=list)
-    """Samples the scheduler forks from this request in the step that computes its last prompt
-    token: they share its blocks and draw their first token from the same logits."""
     reserved_seqs: int = 0
     """Running slots (of ``max_num_seqs``) the scheduler keeps free for this request's future
     forks while it runs: its pending samples, or a beam search's other beams."""
     waiting_for_group: bool = False
     """A beam whose next-token candidates are in, waiting for its other beams: it has nothing to
     compute until the engine appends its token, even if preempted meanwhile."""
-    num_computed_tokens: int = 0
-    num_output_placeholders: int = 0
-    """Output tokens sampled by steps in flight on the device, not yet appended (async scheduling):
-    the scheduler counts them as known, the model reads their ids on the device."""
-    block_ids: list[int] = field(default_factory=list)
-    """Physical KV blocks, in logical order; filled by the KVCacheManager."""
     host_block_ids: list[int] = field(default_factory=list)
     """Host pages holding the KV of a request swapped out by preemption (device blocks then empty)."""
     num_preemptions: int = 0

@@ -201,9 +201,11 @@ class Scheduler:
         forked: list[Request] = []
 
         # Running requests first, in admission order. The hot path of a decode step, so the common
-        # case is inlined: one token to compute, room in a private last block, nothing to fork.
+        # case is inlined: one token to compute, room in a private last block, nothing to fork. A
+        # position inside a block (not at a block's start) is in the block of the token before it,
+        # allocated already, and only a fork could have shared that block since.
         running, max_len, block_size = self.running, self.max_model_len, kv.block_size
-        allocate, add, is_shared = kv.allocate_slots, self._add_to_output, kv.pool.is_shared
+        allocate, add, shared_tails = kv.allocate_slots, self._add_to_output, kv.shared_tails
         rows, new_tokens, starts, samples = out.requests, out.num_new_tokens, out.start_positions, out.samples
         host_tokens = out.num_host_tokens
         i = 0
@@ -214,10 +216,9 @@ class Scheduler:
             in_flight = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + in_flight
             known = len(request.prompt_token_ids) + num_outputs
-            block_ids = request.block_ids
             if (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
-                    and (not is_shared(block_ids[computed // block_size]) if computed < len(block_ids) * block_size
-                         else allocate(request, 1))):
+                    and ((computed % block_size and not (shared_tails and request.request_id in shared_tails))
+                         or allocate(request, 1))):
                 # _add_to_output for one token that samples, with no forks (the blocks are in place:
                 # room in a private block, or the new one). Within max_model_len: known < prompt + max_tokens.
                 request.num_computed_tokens = computed + 1
@@ -358,4 +359,4 @@ class Scheduler:
                 out.forks.append((row, child))
                 forked.append(child)
             request.reserved_seqs = max(0, request.reserved_seqs - len(request.pending_forks))
-            request.pending_forks = []
+            request.pending_forks = ()

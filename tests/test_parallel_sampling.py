@@ -157,6 +157,7 @@ def test_fork_shares_every_block_and_copies_the_last_on_first_write():
     child = make("c", 10)
     kv.fork(parent, child)
     assert child.block_ids == parent.block_ids and child.num_computed_tokens == 10
+    assert kv.shared_tails == {"p", "c"}
     assert [kv.pool.ref_count(b) for b in parent.block_ids] == [2, 2, 2]
     assert kv.sharing_stats().saved_fraction == pytest.approx(0.5)
     shared_last = parent.block_ids[2]
@@ -164,8 +165,9 @@ def test_fork_shares_every_block_and_copies_the_last_on_first_write():
     assert child.block_ids[:2] == parent.block_ids[:2] and child.block_ids[2] != shared_last
     assert kv.take_blocks_to_copy() == [(shared_last, child.block_ids[2])]
     assert kv.pool.ref_count(shared_last) == 1
+    assert kv.shared_tails == {"p"}                 # the child's tail is its own copy; the parent's may be shared
     assert kv.allocate_slots(parent, 1) and parent.block_ids[2] == shared_last   # now its own: no copy
-    assert kv.take_blocks_to_copy() == []
+    assert kv.take_blocks_to_copy() == [] and kv.shared_tails == set()
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 15 and kv.pool.num_block_refs == 0
@@ -227,6 +229,11 @@ def test_random_fork_workload_keeps_ref_counts_exact(mode, host_blocks):
         assert len(host) == len(set(host)) == host_blocks - kv.host_pool.num_free_blocks
         for r in sched.running:
             assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens) and not r.host_block_ids
+            # What the scheduler's decode step relies on: a request whose next token would land in a
+            # shared block is among the shared tails (or at a block's start, where it allocates).
+            i = r.num_computed_tokens // kv.block_size
+            if r.num_computed_tokens % kv.block_size and kv.pool.ref_count(r.block_ids[i]) > 1:
+                assert r.request_id in kv.shared_tails
         for r in sched.waiting:
             assert not r.block_ids
             assert len(r.host_block_ids) == kv.blocks_needed(r.num_computed_tokens)
