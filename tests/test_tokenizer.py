@@ -8,7 +8,7 @@ import random
 import gguf
 import pytest
 import transformers
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -17,6 +17,19 @@ from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 ALPHABET = "abcdefgh Hello thé cat,.!?\n\t éàöñçß ÆØ ĳ 你好世界東京 한국어 ありがとう ∑∂≠ 😀🙂🚀👍🏽👨‍👩‍👧 €£"
 texts = st.text(alphabet=ALPHABET, min_size=0, max_size=40)
 chunkings = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=8)
+
+
+@pytest.fixture(params=["rust", "python"])
+def detok_path(request, monkeypatch):
+    """Runs a test on both implementations of the window rule: tokenizers' DecodeStream (fast
+    tokenizers) and the Python one (slow tokenizers, or after the stream rejected a step)."""
+    if request.param == "python":
+        monkeypatch.setattr(Tokenizer, "decode_stream", lambda self, context, skip_special_tokens: None)
+    return request.param
+
+
+# The path fixture is function scoped but changes nothing between a test's examples.
+stream_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int], chunks: list[int],
@@ -123,7 +136,7 @@ def test_load_rejects_missing_path(tmp_path):
         Tokenizer.load(tmp_path / "missing")
 
 
-def test_split_character_is_held_back(smollm2_tokenizer):
+def test_split_character_is_held_back(smollm2_tokenizer, detok_path):
     """你 and 好 are two byte-level tokens each: a first half alone must not be emitted."""
     tok = smollm2_tokenizer
     ids = tok.encode("你好")
@@ -133,9 +146,9 @@ def test_split_character_is_held_back(smollm2_tokenizer):
     assert detok.text == "你好"
 
 
-@settings(max_examples=150, deadline=None)
+@stream_settings
 @given(prompt=texts, output=texts, chunks=chunkings)
-def test_incremental_equals_full_decode_byte_level(smollm2_tokenizer, prompt, output, chunks):
+def test_incremental_equals_full_decode_byte_level(smollm2_tokenizer, detok_path, prompt, output, chunks):
     tok = smollm2_tokenizer
     prompt_ids, output_ids = tok.encode(prompt), tok.encode(output)
     detok = stream(tok, prompt_ids, output_ids, chunks)
@@ -143,7 +156,7 @@ def test_incremental_equals_full_decode_byte_level(smollm2_tokenizer, prompt, ou
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_random_ids_byte_level(smollm2_tokenizer, skip_special_tokens):
+def test_incremental_random_ids_byte_level(smollm2_tokenizer, detok_path, skip_special_tokens):
     """Arbitrary ids: special tokens, stray UTF-8 continuation bytes, invalid sequences, prompts
     that end mid-character."""
     tok = smollm2_tokenizer
@@ -161,8 +174,9 @@ def test_incremental_random_ids_byte_level(smollm2_tokenizer, skip_special_token
 
 
 def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
-    """Each step decodes a short window, never the whole output."""
+    """Each step of the Python rule decodes a short window, never the whole output."""
     tok = smollm2_tokenizer
+    monkeypatch.setattr(Tokenizer, "decode_stream", lambda self, context, skip_special_tokens: None)
     output = tok.encode("The quick brown fox jumps over the lazy dog, 你好 😀. " * 60)
     window_lengths: list[int] = []
     decode = tok.decode
@@ -178,6 +192,44 @@ def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
     monkeypatch.undo()
     assert detok.text == tok.decode(output)
     assert len(output) > 800 and max(window_lengths) <= 12
+
+
+def test_fast_tokenizer_steps_in_rust(smollm2_tokenizer, monkeypatch):
+    """With a fast tokenizer no step decodes in Python: DecodeStream does the work."""
+    tok = smollm2_tokenizer
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+    calls = []
+    monkeypatch.setattr(tok, "decode", lambda *args, **kwargs: calls.append(args))
+    output = tok.encode("Hello, 你好 😀 world.")
+    text = "".join(detok.step([t]) for t in output)
+    monkeypatch.undo()
+    assert calls == [] and text == detok.text == tok.decode(output)
+
+
+def test_stream_that_fails_mid_output_hands_over_to_python(smollm2_tokenizer, monkeypatch):
+    """A stream that rejects a step (tokenizers raises when a decode rewrites the window's text)
+    is dropped and the Python rule goes on from the same window: the text is unchanged."""
+    tok = smollm2_tokenizer
+    output = tok.encode("Hello, 你好世界 😀🚀 and more text.")
+    for fail_at in range(len(output)):
+        detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+        steps = 0
+        real = detok._stream
+
+        class Failing:
+            def step(self, backend, ids):
+                nonlocal steps
+                steps += 1
+                if steps > fail_at:
+                    raise Exception("invalid prefix")  # noqa: TRY002 -- what tokenizers raises
+                return real.step(backend, ids)
+
+        detok._stream = Failing()
+        for t in output:
+            detok.step([t])
+        detok.flush()
+        assert detok.text == tok.decode(output), fail_at
+        assert detok._stream is None
 
 
 # ---------------------------------------------------------------- sentencepiece-style tokenizer
@@ -199,9 +251,9 @@ def test_no_chat_template_is_a_clear_error(sp_tokenizer):
         sp_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-@settings(max_examples=150, deadline=None)
+@stream_settings
 @given(prompt=texts, output=texts, chunks=chunkings)
-def test_incremental_equals_full_decode_sentencepiece(sp_tokenizer, prompt, output, chunks):
+def test_incremental_equals_full_decode_sentencepiece(sp_tokenizer, detok_path, prompt, output, chunks):
     tok = sp_tokenizer
     output_ids = tok.encode(output, add_special_tokens=False)
     # With a prompt, the first output token keeps its leading space as in decode(prompt + output).
@@ -211,7 +263,7 @@ def test_incremental_equals_full_decode_sentencepiece(sp_tokenizer, prompt, outp
     assert detok.text == tok.decode(output_ids)
 
 
-def test_flush_emits_an_unfinished_character_like_a_full_decode(smollm2_tokenizer):
+def test_flush_emits_an_unfinished_character_like_a_full_decode(smollm2_tokenizer, detok_path):
     """An output that ends mid-character: the held-back text (including the complete character
     before the split one) comes out at the end, as the full decode has it."""
     tok = smollm2_tokenizer
