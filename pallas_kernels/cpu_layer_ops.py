@@ -14,10 +14,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets
+from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets, row_count
 
 _ROPE_TARGET = "jaxpaged_rope_qkv_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
@@ -58,7 +57,7 @@ def cpu_rope_qkv(qkv: jax.Array, cos_table: jax.Array, sin_table: jax.Array, num
             or cos_table.size != T * d or sin_table.shape != cos_table.shape):
         raise ValueError(f"expected qkv[T, (Hq + 2 Hkv) * D] with D even ({num_heads} + 2 x {num_kv_heads} heads) "
                          f"and tables of T x D elements, got {qkv.shape}, {cos_table.shape}, {sin_table.shape}")
-    rows = jnp.asarray(T if num_rows is None else num_rows, jnp.int32).reshape(())
+    rows = row_count(num_rows, T)
     kv = jax.ShapeDtypeStruct((T, num_kv_heads, d), qkv.dtype)
     out = (jax.ShapeDtypeStruct((T, num_heads, d), qkv.dtype), kv, kv)
     return tuple(jax.ffi.ffi_call(_ROPE_TARGET, out)(qkv, cos_table, sin_table, rows))
@@ -79,7 +78,7 @@ def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Arra
     if h.dtype not in NATIVE_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
         raise ValueError(f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
                          f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}")
-    rows = jnp.asarray(h.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    rows = row_count(num_rows, h.shape[0])
     out = jax.ShapeDtypeStruct(h.shape, h.dtype)
     if residual is None:
         return jax.ffi.ffi_call(_NORM_TARGET, out)(h, weight, rows, eps=np.float32(eps))
@@ -96,6 +95,6 @@ def cpu_silu_and_mul(gate_up: jax.Array, num_rows: jax.Array | None = None) -> j
         raise ValueError(f"expected gate_up[T, 2n], got {gate_up.shape}")
     if gate_up.dtype not in NATIVE_DTYPES:
         raise ValueError(f"the native SiLU-and-multiply takes float32 or bfloat16, got {gate_up.dtype}")
-    rows = jnp.asarray(gate_up.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    rows = row_count(num_rows, gate_up.shape[0])
     out = jax.ShapeDtypeStruct((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype)
     return jax.ffi.ffi_call(_SILU_TARGET, out)(gate_up, rows)

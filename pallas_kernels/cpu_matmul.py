@@ -45,13 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import load_library, register_cpu_targets
+from pallas_kernels.native import NATIVE_DTYPES, load_library, register_cpu_targets, row_count
 
 _LIBRARY = "pallas_kernels._matmul_cpu"
 _TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
 PANEL = 32  # columns per packed panel
 QUANT_BLOCK = 32  # k rows sharing a column's scale and offset
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.cache
@@ -71,7 +70,7 @@ def use_amx(enable: bool | None = None) -> bool:
 
 def _checked_dtype(dtype) -> np.dtype:
     dtype = jnp.dtype(dtype)
-    if dtype not in DTYPES:
+    if dtype not in NATIVE_DTYPES:
         raise ValueError(f"the native CPU matmul supports float32 and bfloat16, got {dtype}")
     return dtype
 
@@ -161,8 +160,6 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
             raise ValueError(f"K does not match: x has {k} columns, the packed weight {packed.shape[1]} rows")
     if n < 0 or -(-n // PANEL) != packed.shape[0]:
         raise ValueError(f"n={n} does not match the weight's {packed.shape[0]} panels of {PANEL} columns")
-    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    if rows.shape != ():
-        raise ValueError(f"num_rows must be a scalar, got shape {rows.shape}")
+    rows = row_count(num_rows, x.shape[0])
     call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, packed, rows)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_ops
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.native import NATIVE_DTYPES
 from pallas_kernels.xla_attention import xla_paged_attention
 
 
@@ -18,7 +19,7 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return "pallas"
-    from pallas_kernels.cpu_attention import NATIVE_DTYPES, native_kernel_available
+    from pallas_kernels.cpu_attention import native_kernel_available
     supported = dtype is None or jnp.dtype(dtype) in NATIVE_DTYPES
     return "cpu" if supported and native_kernel_available() else "xla"
 
@@ -27,11 +28,11 @@ def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, n
     """``auto`` becomes ``cpu`` (the native CPU matmul) on one CPU device when it was built and
     supports ``dtype`` (float32, bfloat16), else ``xla``; an explicit ``cpu`` that cannot run is a
     ``ValueError``."""
-    from pallas_kernels.cpu_matmul import DTYPES, native_matmul_available
+    from pallas_kernels.cpu_matmul import native_matmul_available
     platform = platform or jax.default_backend()
     problem = (f"the platform is {platform}" if platform != "cpu" else
                f"the model is split over {num_devices} devices" if num_devices > 1 else
-               f"it does not take {jnp.dtype(dtype)}" if dtype is not None and jnp.dtype(dtype) not in DTYPES else
+               f"it does not take {jnp.dtype(dtype)}" if dtype is not None and jnp.dtype(dtype) not in NATIVE_DTYPES else
                "it was not built (no C++ compiler at install time?)" if not native_matmul_available() else None)
     if name == "auto":
         return "xla" if problem else "cpu"

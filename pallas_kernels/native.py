@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-"""The dtypes the native attention and layer kernels take."""
+"""The dtypes the native matmul, attention and layer kernels take."""
 
 
 @functools.cache
@@ -31,3 +31,12 @@ def register_cpu_targets(library: str, targets: dict[str, str]) -> bool:
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
+
+
+def row_count(num_rows, num_tokens: int) -> jax.Array:
+    """The int32 scalar operand that tells a native kernel how many leading rows are real (a padded
+    batch's tokens): ``num_rows``, or all ``num_tokens`` for None."""
+    rows = jnp.asarray(num_tokens if num_rows is None else num_rows, jnp.int32)
+    if rows.shape != ():
+        raise ValueError(f"num_rows must be a scalar, got shape {rows.shape}")
+    return rows

@@ -134,6 +134,8 @@ def test_native_rms_norm_rejects_other_dtypes_and_shapes() -> None:
         cpu_rms_norm(h, jnp.ones(7, jnp.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="residual like h"):
         cpu_rms_norm(h, jnp.ones(8, jnp.bfloat16), 1e-5, residual=jnp.zeros((3, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="num_rows must be a scalar"):
+        cpu_rms_norm(h, jnp.ones(8, jnp.bfloat16), 1e-5, num_rows=jnp.array([1], jnp.int32))
 
 
 @needs_kernels
@@ -170,3 +172,5 @@ def test_native_silu_and_mul_zeroes_padding_rows_and_rejects_bad_input() -> None
         cpu_silu_and_mul(jnp.zeros((4, 7), jnp.bfloat16))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_silu_and_mul(jnp.zeros((4, 8), jnp.float16))
+    with pytest.raises(ValueError, match="num_rows must be a scalar"):
+        cpu_silu_and_mul(gate_up, jnp.array([2, 2], jnp.int32))
