@@ -15,6 +15,7 @@ MATMUL_BACKENDS = ("auto", "cpu", "xla")
 QUANTIZATIONS = ("auto", "gguf", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_SCHEDULER_STEPS = 64
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged")
 
 
@@ -79,6 +80,11 @@ class EngineArgs:
     async_scheduling: bool = _arg(True, "Schedule and launch step k+1 before taking in step k's tokens, so host "
                                   "work overlaps the device (steps that need the tokens on the host, for "
                                   "penalties or beam search, still run one at a time).")
+    num_scheduler_steps: int = _arg(1, f"Decode steps per scheduling (vLLM's multi-step scheduling), from 1 to "
+                                    f"{MAX_SCHEDULER_STEPS}: when every running request is decoding, one program runs "
+                                    "this many steps on the device, sampling a token each, and the host's work is "
+                                    "shared by them; a request that stops early wastes the rest of its steps, and "
+                                    "new arrivals wait for the group to end.")
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -112,6 +118,7 @@ class SchedulerConfig:
     max_num_seqs: int
     enable_chunked_prefill: bool
     preemption_mode: str = "recompute"
+    num_scheduler_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,9 @@ class EngineConfig:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, got {a.matmul_backend!r}.")
         if a.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {a.quantization!r}.")
+        steps = a.num_scheduler_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}, got {steps!r}.")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(a, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -169,7 +179,7 @@ class EngineConfig:
             cache=CacheConfig(a.block_size, a.kv_cache_memory, a.num_gpu_blocks_override, a.enable_prefix_caching,
                               a.swap_space if a.preemption_mode == "swap" else 0),
             scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill,
-                                      a.preemption_mode),
+                                      a.preemption_mode, a.num_scheduler_steps),
             attention_backend=a.attention_backend,
             matmul_backend=a.matmul_backend,
             quantization=a.quantization,

@@ -205,7 +205,7 @@ class LLMEngine:
         """Live requests whose steps need the previous step's tokens on the host (penalties)."""
         self.load_time = time.perf_counter() - t0
         t0 = time.perf_counter()
-        num_precompiled = self.runner.precompile() if config.precompile else 0
+        num_precompiled = self.runner.precompile(num_steps=sc.num_scheduler_steps) if config.precompile else 0
         self.warmup_time = time.perf_counter() - t0
         if num_precompiled:
             logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
@@ -259,7 +259,8 @@ class LLMEngine:
                        if sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.stop else None)
         samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
                            sampling_params=sp, max_tokens=max_tokens, seed=_sample_seed(seed, i),
-                           eos_token_id=eos, final_stop_ids=final_stops, cache_salt=cache_salt, prompt=text,
+                           eos_token_id=eos, final_stop_ids=final_stops, multi_step=not sp.needs_step_lists,
+                           cache_salt=cache_salt, prompt=text,
                            arrival_time=arrival,
                            sample_index=i,
                            output_top_logprobs=[] if sp.logprobs is not None else None,
@@ -346,7 +347,7 @@ class LLMEngine:
         # Greedy rows asking for the top-N logprobs: the N >= 2k best continuations of each beam.
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * k)
         root = self.make_request(request_id, prompt, sp, arrival_time, cache_salt)
-        root.reserved_seqs = k - 1
+        root.reserved_seqs, root.multi_step = k - 1, False
         self.scheduler.add_request(root)
         search = _BeamSearch(root, params, BeamSearchState(params, self.tokenizer.eos_token_id), [root])
         self._beam_searches[request_id] = search
@@ -436,15 +437,60 @@ class LLMEngine:
         out, res = step.out, self.runner.collect(step.launched)
         now = time.time()
         self._record_prompt_logprobs(out.requests, res)
-        sampled = res.sampled
-        tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         touched: dict[str, Request] = {}
         searches: dict[str, _BeamSearch] = {}
-        R = len(out.requests)
-        # Rows that sample: requests whose step reached their last known token, then the forks.
-        rows = itertools.compress(enumerate(out.requests), out.samples)
-        if out.forks:
-            rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
+        if out.num_steps > 1:
+            self._append_steps(out, res.sampled, now, touched, searches)
+        else:
+            # Rows that sample: requests whose step reached their last known token, then the forks.
+            R = len(out.requests)
+            rows = itertools.compress(enumerate(out.requests), out.samples)
+            if out.forks:
+                rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
+            self._append_samples(rows, res.sampled, now, touched, searches)
+        outputs = []
+        for parent in touched.values():
+            output = self._make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if output is not None and output.finished:
+                self._forget(parent)
+        for search in searches.values():
+            output = self._beam_step(search)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_steps(self, out: SchedulerOutput, sampled, now: float, touched: dict[str, Request],
+                      searches: dict[str, "_BeamSearch"]) -> None:
+        """A multi-step batch's samples (``[num_steps, rows]`` arrays), row by row. A row whose tokens
+        nothing reads one at a time (``final_stop_ids``, no logprobs in the batch) and none of which
+        ends it takes them all at once; the others go token by token through ``_append_samples``."""
+        k = out.num_steps
+        plain = sampled.logprobs.size == 0
+        columns = sampled.tokens.T.tolist()
+        rest = []
+        for j, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+            stops, ids = req.final_stop_ids, req.output_token_ids
+            if plain and stops is not None and not req.is_finished:
+                new = columns[j][:n] if n < k else columns[j]
+                if len(ids) + n < req.max_tokens and stops.isdisjoint(new):
+                    if not ids:
+                        req.first_token_time = now
+                    ids += new
+                    req.num_output_placeholders -= n
+                    continue
+            rest.extend(range(j * k, j * k + n))
+        if rest:
+            # Row-major: entry j * k + t is row j's sample of step t.
+            flat = jax.tree_util.tree_map(lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), sampled)
+            self._append_samples(((i, out.requests[i // k]) for i in rest), flat, now, touched, searches)
+
+    def _append_samples(self, rows, sampled, now: float, touched: dict[str, Request],
+                        searches: dict[str, "_BeamSearch"]) -> None:
+        """Append one step's sampled token to each ``(row, request)`` of ``rows`` and check its stops;
+        the groups with something to report go to ``touched``, the beam searches to ``searches``."""
+        tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         beam_of = self._beam_of
         for i, req in rows:
             req.num_output_placeholders -= 1
@@ -481,18 +527,6 @@ class LLMEngine:
                 continue
             parent = self._groups[req.request_id]
             touched[parent.request_id] = parent
-        outputs = []
-        for parent in touched.values():
-            output = self._make_output(parent)
-            if output is not None:
-                outputs.append(output)
-            if output is not None and output.finished:
-                self._forget(parent)
-        for search in searches.values():
-            output = self._beam_step(search)
-            if output is not None:
-                outputs.append(output)
-        return outputs
 
     def _record_prompt_logprobs(self, reqs: list[Request], res: StepOutput) -> None:
         """Append this step's scored prompt positions (consecutive, in order, per row)."""

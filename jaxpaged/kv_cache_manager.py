@@ -303,11 +303,8 @@ class KVCacheManager:
         All or nothing: returns False, allocating nothing, if the pool is short.
         """
         block_ids = request.block_ids
-        computed = request.num_computed_tokens
-        total = computed + num_new_tokens
-        # Copy on write: only a partly filled last block can be both shared and written.
-        i = computed // self.block_size
-        cow = i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
+        total = request.num_computed_tokens + num_new_tokens
+        cow = self._copy_on_write_index(request, num_new_tokens)
         if cow is None and total <= len(block_ids) * self.block_size:
             if num_new_tokens > 0:         # the block it writes next is its own
                 self.shared_tails.discard(request.request_id)
@@ -329,6 +326,18 @@ class KVCacheManager:
         if self.enable_caching:
             self._publish_full_blocks(request, total)
         return True
+
+    def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
+        """How many free blocks ``allocate_slots(request, num_new_tokens)`` would take now."""
+        missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        return max(0, missing) + (self._copy_on_write_index(request, num_new_tokens) is not None)
+
+    def _copy_on_write_index(self, request: Request, num_new_tokens: int) -> int | None:
+        """The index of the block that writing ``num_new_tokens`` more tokens must first copy:
+        only a partly filled last block can be both shared and written."""
+        block_ids = request.block_ids
+        i = request.num_computed_tokens // self.block_size
+        return i if num_new_tokens > 0 and i < len(block_ids) and self.pool.is_shared(block_ids[i]) else None
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call."""

@@ -80,6 +80,10 @@ class StepBatch:
     prompt_rows: np.ndarray
     num_rows: int
     flags: SamplerFlags
+    num_steps: int = 1
+    """More than 1: a multi-step decode batch (``SchedulerOutput.num_steps``), one program."""
+    row_steps: np.ndarray | None = None
+    """[R_b] steps each row of a multi-step batch decodes (padding rows: 0)."""
 
     @property
     def num_logits(self) -> int:
@@ -96,6 +100,8 @@ class StepBatch:
                    self.md.tile_row.shape[0], self.md.tile_size)
         sampler = ("sampler", self.logits_indices.shape[0], self.prompt_targets.shape[0], self.flags,
                    st.penalty_rows.shape[0], st.bias_rows.shape[0])
+        if self.num_steps > 1:      # one program: forward and sampler, stepped
+            return (("steps", self.num_steps, forward, sampler),)
         return forward, sampler
 
 
@@ -107,11 +113,14 @@ class LaunchedStep:
     prompt: SamplerOutput | None
     prompt_rows: np.ndarray
     num_rows: int
+    num_steps: int = 1
+    """More than 1: ``sampled``'s arrays have a leading step axis."""
 
 
 @dataclass
 class StepOutput:
-    """One step's sampler results on the host, trimmed to the batch's rows and prompt positions."""
+    """One step's sampler results on the host, trimmed to the batch's rows and prompt positions
+    (a multi-step batch's ``sampled`` arrays have a leading step axis)."""
 
     sampled: SamplerOutput
     prompt: SamplerOutput | None
@@ -258,6 +267,52 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
     return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
+def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_pages, packed, row_steps,
+           prev_tokens, sampling):
+    """``num_steps`` decode steps of a batch of one-token rows (each a sequence's next token) in one
+    program: each step's forward writes the rows' K/V and samples their next tokens, which are the
+    next step's inputs. Row ``r`` runs ``row_steps[r]`` steps; after that its slot is padding (no KV
+    written) and its position stays, so nothing outside its blocks is read. Its samples are
+    returned for every step (``[num_steps, S]``), and the last valid one in the next step's
+    in-flight token array, as ``sample_fn`` does for one step. The same per-step arithmetic as
+    ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one step would."""
+    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout)
+    params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
+    ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    T, S = input_ids.shape[0], sampling.temperature.shape[0]
+    bs = kv_pages.shape[3]
+    last = jnp.maximum(row_steps - 1, 0)                  # [R_b]; a decode row's token has its row's index
+    tok_last = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(last)
+    tok_steps = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(row_steps)
+    tok_row = jnp.minimum(jnp.arange(T), last.shape[0] - 1)
+
+    def one_step(carry, i):
+        kv_pages, ids = carry
+        pos = positions + jnp.minimum(i, tok_last)
+        slot = jnp.where(i < tok_steps, md.block_tables[tok_row, pos // bs] * bs + pos % bs, PAD_SLOT)
+        seq_lens = jnp.where(md.seq_lens > 0, md.seq_lens + jnp.minimum(i, last), 0)
+        logits, kv_pages = statics.module.apply(
+            {"params": params}, ids, pos, kv_pages, dataclasses.replace(md, slot_mapping=slot, seq_lens=seq_lens),
+            logits_indices, num_logits)
+        out = sample(logits[:S], dataclasses.replace(sampling, position=sampling.position + i), flags)
+        return (kv_pages, ids.at[:S].set(out.tokens)), out
+
+    (kv_pages, _), sampled = jax.lax.scan(one_step, (kv_pages, ids), jnp.arange(num_steps))
+    final = sampled.tokens[last[:S], jnp.arange(S)]
+    return kv_pages, sampled, jnp.zeros(num_token_slots, jnp.int32).at[:S].set(final)
+
+
+@functools.cache
+def _jit_steps(mesh):
+    """``_steps`` jitted for one device mesh, with ``_jit_step``'s shardings."""
+    static = ("statics", "layout", "flags", "num_steps", "num_token_slots")
+    if mesh is None:
+        return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",))
+    kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
+    return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",),
+                   in_shardings=(None, kv, rep, rep, rep, rep), out_shardings=(kv, rep, rep))
+
+
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
     """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
     a = np.full(size, fill, values.dtype)
@@ -347,7 +402,7 @@ class SequenceSlots:
         self.seed[s] = r.seed & _SEED_MASK
         self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
         self.chosen_logprobs[s] = sp.needs_logprobs
-        self.needs_host_lists[s] = sp.needs_penalties or bool(sp.logit_bias) or sp.min_tokens > 0
+        self.needs_host_lists[s] = sp.needs_step_lists
         self.prompt_logprobs[s] = r.prompt_logprobs is not None
         self.last_sample_row[s] = -1
         self.write_table(s, r.block_ids)
@@ -474,7 +529,9 @@ class ModelRunner:
         R = len(reqs)
         slots = slots_state.slots(reqs)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
-        T = out.total_num_tokens
+        # A multi-step batch is prepared as its first step, a decode step: its rows' steps go along.
+        multi = out.num_steps > 1
+        T = R if multi else out.total_num_tokens
         # A decode step (one token per row, the common step) takes its row arrays from ``_iota``.
         decode = T == R
         iota = self._iota
@@ -483,7 +540,9 @@ class ModelRunner:
         T_b = self.token_bucket(T)
         R_b = self.row_bucket(T_b)
         seq_lens = starts + n
-        W_b = (_bucket(-(-int(seq_lens.max()) // self.block_size), self.max_blocks_per_seq,
+        row_steps = _padded(np.fromiter(out.num_new_tokens, np.int32, R), R_b, 0) if multi else None
+        longest = int(seq_lens.max()) + (int(row_steps.max()) - 1 if multi else 0)
+        W_b = (_bucket(-(-longest // self.block_size), self.max_blocks_per_seq,
                        floor=MIN_CONTEXT // self.block_size) if self.gathers_pages else self.max_blocks_per_seq)
 
         qsl = np.full(R_b + 1, T, np.int32)
@@ -533,7 +592,7 @@ class ModelRunner:
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
         return StepBatch(input_ids, positions, md, logits_indices, prev_index, sampling, targets, prompt_rows, S,
-                         flags)
+                         flags, out.num_steps, row_steps)
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
                    host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -679,6 +738,14 @@ class ModelRunner:
                 logger.debug("compiling step program %s", key)
         # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
         # several times faster than a jax.device_put of the tree.
+        if b.num_steps > 1:
+            m = self._step_model
+            packed, layout = _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.prev_index,
+                                          np.int32(b.num_logits))
+            self.kv_pages, sampled, self._prev_tokens = _jit_steps(getattr(m.statics.module, "mesh", None))(
+                m.statics, layout, b.flags, b.num_steps, self.max_rows, m.leaves, self.kv_pages, packed,
+                b.row_steps, self._prev_tokens, b.sampling)
+            return LaunchedStep(sampled, None, b.prompt_rows, b.num_rows, b.num_steps)
         self.kv_pages, logits = step_fn(self.model.module, self._step_model, self.kv_pages, b.input_ids, b.positions,
                                         b.md, b.logits_indices, b.prev_index, self._prev_tokens,
                                         np.int32(b.num_logits))
@@ -692,7 +759,8 @@ class ModelRunner:
         # np.asarray waits for each array and reads it (on CPU a zero-copy view); jax.device_get's
         # asynchronous-copy machinery cost ~20 us per array.
         R, P = step.num_rows, len(step.prompt_rows)
-        sampled = jax.tree_util.tree_map(lambda a: np.asarray(a)[:R], step.sampled)
+        rows = np.s_[:, :R] if step.num_steps > 1 else np.s_[:R]
+        sampled = jax.tree_util.tree_map(lambda a: np.asarray(a)[rows], step.sampled)
         prompt = None if step.prompt is None else jax.tree_util.tree_map(lambda a: np.asarray(a)[:P], step.prompt)
         return StepOutput(sampled, prompt, step.prompt_rows)
 
@@ -701,9 +769,10 @@ class ModelRunner:
         step = self.launch(out)
         return None if step is None else self.collect(step)
 
-    def precompile(self, sampler_flags: tuple[SamplerFlags, ...] = PRECOMPILED_SAMPLERS) -> int:
+    def precompile(self, sampler_flags: tuple[SamplerFlags, ...] = PRECOMPILED_SAMPLERS, num_steps: int = 1) -> int:
         """Compile the forward program of every token bucket and the sampler of every row bucket for
-        each of ``sampler_flags``, by running them on all-padding inputs (no KV slot is written), so
+        each of ``sampler_flags`` (with ``num_steps`` > 1 also the multi-step program of every bucket
+        a decode batch can use), by running them on all-padding inputs (no KV slot is written), so
         that serving never waits for a compile of these shapes. Returns how many programs that was.
 
         Only for backends that take full-width block tables: the XLA backend's programs also vary
@@ -722,9 +791,12 @@ class ModelRunner:
                                    tile_row=empty, tile_start=empty, tile_len=empty, tile_size=1)
             sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
-                self.collect(self.run_batch(StepBatch(
-                    np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
-                    np.full(T_b, -1, np.int32), sampling, empty, empty, 0, flags)))
+                batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
+                                  np.full(T_b, -1, np.int32), sampling, empty, empty, 0, flags)
+                self.collect(self.run_batch(batch))
+                if num_steps > 1 and T_b <= self.token_bucket(self.max_num_seqs):
+                    self.collect(self.run_batch(dataclasses.replace(batch, num_steps=num_steps,
+                                                                    row_steps=np.zeros(R_b, np.int32))))
         return self.num_compiled_programs - before
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

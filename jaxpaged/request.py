@@ -80,6 +80,10 @@ class Request:
     """For a sample whose text nothing reads before it ends (``FINAL_ONLY``, no stop strings): the
     tokens that may end it before its length limit (EOS, stop ids), so the engine can pass over
     every other token without its sampling parameters. None: every token is checked in full."""
+    multi_step: bool = False
+    """Whether the scheduler may give this sample several decode steps at once: its sampling inputs
+    are the same every step (``not sampling_params.needs_step_lists``) and no engine decision sits
+    between its steps (not a beam)."""
     pending_forks: Sequence["Request"] = ()
     """Samples the scheduler forks from this request in the step that computes its last prompt
     token: they share its blocks and draw their first token from the same logits. (Empty: the

@@ -171,3 +171,9 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_step_lists(self) -> bool:
+        """Penalties, logit bias or min_tokens: the sampler's inputs for this request are lists
+        rebuilt each step from its tokens so far."""
+        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0

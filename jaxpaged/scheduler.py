@@ -61,6 +61,10 @@ class SchedulerOutput:
     """(device block, host block) pairs copied to host before this step (before any other copy)."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) pairs copied to the device before this step."""
+    num_steps: int = 1
+    """More than 1: a multi-step decode batch. Every row decodes one token per step for
+    ``num_new_tokens[i]`` (at most ``num_steps``) consecutive steps of one program, sampling each
+    step; its first token is the one at ``start_positions[i]``."""
 
     @property
     def total_num_tokens(self) -> int:
@@ -195,6 +199,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks."""
+        k = self.config.num_scheduler_steps
+        if k > 1 and (not self.waiting or len(self.running) + self._num_reserved() >= self.config.max_num_seqs):
+            out = self._schedule_steps(k)
+            if out is not None:
+                return self._close(out)
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
@@ -285,10 +294,56 @@ class Scheduler:
             reserved += request.reserved_seqs          # what is left after forking this step
             budget -= num_new
         self.running.extend(forked)
+        return self._close(out)
+
+    def _close(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Hand the block manager's queued copies and table changes, and the requests that left, to ``out``."""
+        kv = self.kv_cache_manager
         out.blocks_to_copy = kv.take_blocks_to_copy()
         out.block_table_updates = kv.take_changed_tables()
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _schedule_steps(self, k: int) -> SchedulerOutput | None:
+        """A multi-step decode batch (vLLM's multi-step scheduling): each running request decodes
+        ``min(k, outputs left)`` tokens in one program, its blocks for all of them allocated now.
+        None, changing nothing, unless every running request is a plain decode that may run several
+        steps (``Request.multi_step``: no forks to make, no per-step sampling lists, not a beam) and
+        the pool holds every block they need. A request whose last output is in flight sits out."""
+        kv = self.kv_cache_manager
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return None
+        block_size, shared_tails = kv.block_size, kv.shared_tails
+        rows, steps, need = [], [], 0
+        for request in self.running:
+            computed = request.num_computed_tokens
+            outputs = len(request.output_token_ids) + request.num_output_placeholders
+            left = request.max_tokens - outputs
+            if left <= 0:
+                continue
+            if not request.multi_step or request.pending_forks or len(request.prompt_token_ids) + outputs - computed != 1:
+                return None
+            n = k if k < left else left
+            # As in schedule(): only a fork shares the block a request writes next.
+            if shared_tails and request.request_id in shared_tails:
+                need += kv.blocks_to_allocate(request, n)
+            else:
+                need += max(0, -(-(computed + n) // block_size) - len(request.block_ids))
+            rows.append(request)
+            steps.append(n)
+        if not rows or need > kv.num_free_blocks:
+            return None
+        starts, host_tokens = [], []
+        for request, n in zip(rows, steps):
+            computed, in_flight = request.num_computed_tokens, request.num_output_placeholders
+            if computed + n > len(request.block_ids) * block_size or (shared_tails and request.request_id in shared_tails):
+                kv.allocate_slots(request, n)      # cannot fail: ``need`` blocks are free
+            starts.append(computed)
+            host_tokens.append(0 if in_flight else 1)
+            request.num_computed_tokens = computed + n
+            request.num_output_placeholders = in_flight + n
+        return SchedulerOutput(requests=rows, num_new_tokens=steps, start_positions=starts, preempted=[],
+                               samples=[True] * len(rows), num_host_tokens=host_tokens, num_steps=k)
 
     def _preempt_for(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request``'s blocks can be allocated (and

@@ -99,6 +99,28 @@ def test_preemption_matches_hf(reference, prompts):
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
 
 
+@pytest.mark.parametrize("engine_args", [
+    dict(num_scheduler_steps=5),                   # groups of 5, 5 and 1 decode steps after the prompts' step
+    dict(num_scheduler_steps=4, block_size=4, num_gpu_blocks_override=17, max_num_batched_tokens=64),  # preemption
+    dict(num_scheduler_steps=3, attention_backend="xla", max_num_batched_tokens=32),
+    dict(num_scheduler_steps=4, attention_backend="pallas_interpret", max_num_batched_tokens=32),
+], ids=["k5", "k4_preemption", "k3_xla", "k4_pallas"])
+def test_multi_step_scheduling_matches_hf(engine_args, reference, prompts):
+    """Several decode steps per schedule, in one program (every attention backend inside its loop)."""
+    path, ref = reference("gqa_untied")
+    llm = LLM(str(path), **engine_args)
+    k, grouped = engine_args["num_scheduler_steps"], []
+    schedule = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: grouped.append(out := schedule()) or out
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert any(o.num_steps == k for o in grouped)
+    if "num_gpu_blocks_override" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert_matches_hf(outs, ref)
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
+
+
 def test_requests_arriving_mid_decode_match_hf(reference, prompts):
     path, ref = reference("gqa_untied")
     llm = LLM(str(path), max_num_batched_tokens=16)

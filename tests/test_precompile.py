@@ -89,3 +89,25 @@ def test_engines_of_one_model_share_their_programs(tiny):
         engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
     assert engine.runner.num_compiled_programs == 4 + 2 * 2
     assert compiles == [], f"{len(compiles)} XLA compilations for the second engine"
+
+
+def test_multi_step_programs_are_precompiled_too(tiny):
+    """With num_scheduler_steps > 1 start-up also compiles the grouped program (greedy and random)
+    of each token bucket a decode batch can use (up to max_num_seqs = 16 rows: buckets 8 and 16);
+    a workload that runs groups compiles nothing after that."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), num_scheduler_steps=4, **ENGINE_ARGS))
+    assert engine.runner.num_compiled_programs == 4 + 2 * 2 + 2 * 2
+    rng = np.random.default_rng(5)
+    prompts = random_prompts(rng, [2, 9, 30, 61, 5, 17, 40, 3, 12, 8, 22, 6, 1, 14, 33, 7, 19])
+    grouped = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: grouped.append(out := schedule()) or out
+    with count_compiles() as compiles:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
+                                                          max_tokens=int(rng.integers(1, 24))))
+        while engine.has_unfinished_requests():
+            engine.step()
+    sizes = {len(o.requests) for o in grouped if o.num_steps == 4}
+    assert min(sizes) <= 8 < max(sizes), sizes          # groups in both row buckets
+    assert compiles == [], f"{len(compiles)} XLA compilations after start-up"

@@ -71,6 +71,22 @@ def test_tp_matches_single_device(run, variant, tp):
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
 
 
+def test_multi_step_under_tp_matches_single_device(run, tiny_model_factory, prompts):
+    """Groups of decode steps in one program over the mesh (KV pages sharded in the loop)."""
+    _, ref_tokens, ref_logprobs = run("gqa_untied", 1)
+    path, _ = tiny_model_factory("gqa_untied", **VARIANTS["gqa_untied"])
+    llm = LLM(str(path), tensor_parallel_size=2, num_scheduler_steps=3, **ENGINE)
+    grouped = []
+    schedule = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: grouped.append(out := schedule()) or out
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert any(o.num_steps == 3 for o in grouped)
+    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    logprobs = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4)
+    assert llm.engine.runner.kv_pages.sharding.spec[4] == "tp"
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_device_holds_only_its_kv_heads(run, tp):
     """GQA with 2 kv heads: TP=2 gives each device one head; TP=4 repeats each head twice, so
