@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from jaxpaged import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from jaxpaged.config import MAX_SCHEDULER_STEPS, SchedulerConfig
 from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.request import Request
 from jaxpaged.scheduler import Scheduler
-from tiny_models import random_prompts
+from test_async_scheduling import _workload as mixed_workload
+from tiny_models import hf_greedy, random_prompts
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -36,23 +37,16 @@ def _record_steps(engine: LLMEngine) -> list[int]:
 
 
 def _workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
-    """Greedy and seeded requests, logprobs, stop ids and stop strings that end requests inside a
-    group of steps, n = 2 (forked blocks copied on write), a streamed (DELTA) request, and one with
-    min_tokens and a presence penalty (its steps cannot be grouped) arriving later."""
+    """The async scheduling tests' mix (greedy and seeded rows, logprobs, stop ids and strings that
+    end requests inside a group of steps, n = 2 with forked blocks copied on write, prefix hits, and
+    min_tokens, which keeps its request out of groups), plus a streamed (DELTA) request and one with
+    a presence penalty (also kept out)."""
     rng = np.random.default_rng(11)
-    prompts = random_prompts(rng, [3, 30, 12, 7, 21, 5, 16, 9])
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=17, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=25, stop_token_ids=[int(t) for t in range(3, vocab, 5)]),
-        SamplingParams(temperature=0.9, seed=5, max_tokens=21, stop=["a", "e"], ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=11, max_tokens=14, n=2, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=2, max_tokens=26, ignore_eos=True, top_k=5,
-                       output_kind=RequestOutputKind.DELTA),
-        SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, presence_penalty=0.5, ignore_eos=True),
-    ]
-    return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    extra = random_prompts(rng, [6, 13])
+    return [*mixed_workload(vocab),
+            ("r8", extra[0], SamplingParams(temperature=1.0, seed=2, max_tokens=26, ignore_eos=True, top_k=5,
+                                            output_kind=RequestOutputKind.DELTA)),
+            ("r9", extra[1], SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True))]
 
 
 def _run(engine: LLMEngine, workload, arrive_every: int = 3, abort: tuple[str, int] | None = None) -> dict:
@@ -104,12 +98,38 @@ def test_grouped_steps_give_the_outputs_of_single_steps(tiny, k, async_schedulin
     assert any(s[2] == "stop" for samples in got.values() for s in samples)
 
 
+def test_generate_outputs_match_single_steps_and_hf(tiny):
+    """``LLM.generate``'s final-only samples without logprobs: a row no stop ends takes its group's
+    tokens at once, one a stop id (or its length) ends inside the group goes token by token."""
+    path, hf = tiny
+    vocab = hf.config.vocab_size
+    prompts = random_prompts(np.random.default_rng(4), [5, 18, 9, 26, 3, 12])
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 6, 1, 23)]
+    params += [SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=list(range(3, vocab, 9))),
+               SamplingParams(temperature=0.8, seed=9, max_tokens=19, ignore_eos=True)]
+    args = dict(block_size=4, max_num_seqs=4, num_gpu_blocks_override=80)
+    want = LLM(str(path), **args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), num_scheduler_steps=5, **args)
+    steps = _record_steps(llm.engine)
+    step, calls = llm.engine.step, []
+    llm.engine.step = lambda: step() if len(calls) < 200 and not calls.append(1) else pytest.fail("unfinished")
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert steps.count(5) >= 3
+    for g, w in zip(got, want, strict=True):
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs]
+    assert got[4].outputs[0].finish_reason == "stop" and len(got[4].outputs[0].token_ids) < 20
+    for i in range(4):
+        assert got[i].outputs[0].token_ids == hf_greedy(hf, prompts[i], params[i].max_tokens)[0]
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_grouped_steps_under_preemption_and_abort(tiny, preemption_mode):
     """A pool too small for everyone: groups need their blocks up front, so steps alternate
     between groups and single steps that preempt. An abort lands mid-run. Nothing leaks (``_run``)."""
     path, hf = tiny
-    workload = [w for w in _workload(hf.config.vocab_size) if w[0] != "r7"]
+    workload = _workload(hf.config.vocab_size)
     kw = dict(num_gpu_blocks_override=26, preemption_mode=preemption_mode, swap_space=1 << 20)
     single = _engine(path, **kw)
     want = _run(single, workload, arrive_every=1, abort=("r2", 9))
