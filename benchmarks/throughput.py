@@ -45,7 +45,8 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
         assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
     e = llm.engine
     quantized = sum(a.dtype == np.uint8 for a in jax.tree_util.tree_leaves(e.runner.model.params))
-    name = f"jaxpaged ({engine_args['dtype']}{', q-weights' if quantized else ''})"
+    k = engine_args.get("num_scheduler_steps", 1)
+    name = f"jaxpaged ({engine_args['dtype']}{', q-weights' if quantized else ''}{f', {k} steps' if k > 1 else ''})"
     return {"system": name, "quantized_weights": quantized, "load_s": load_s, "warmup_s": e.warmup_time,
             "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
             "preemptions": e.scheduler.num_preemptions}
@@ -123,6 +124,8 @@ def main() -> None:
                          "Q4_1/Q8_0 weights quantized in float32 (q-weights), gguf in bfloat16 too, none "
                          "dequantizes them as the peers do; a value giving a dtype the same engine as an "
                          "earlier one is skipped")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="jaxpaged's decode steps per scheduling (multi-step scheduling; default 1, the engine's)")
     ap.add_argument("--rounds", type=int, default=3, help="timed generate() calls per system and dtype")
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
@@ -142,7 +145,7 @@ def main() -> None:
         engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
                            kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching,
-                           quantization=quantization)
+                           quantization=quantization, num_scheduler_steps=args.num_scheduler_steps)
         res = {**run_jaxpaged(reqs, engine_args, args.rounds), "dtype": dtype}
         print(f"{res['system']}: load {res['load_s']:.1f} s (of which precompile {res['warmup_s']:.1f} s), "
               f"{res['compiled_programs']} compiled step programs, {res['preemptions']} preemptions, "

@@ -271,11 +271,13 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
            prev_tokens, sampling):
     """``num_steps`` decode steps of a batch of one-token rows (each a sequence's next token) in one
     program: each step's forward writes the rows' K/V and samples their next tokens, which are the
-    next step's inputs. Row ``r`` runs ``row_steps[r]`` steps; after that its slot is padding (no KV
-    written) and its position stays, so nothing outside its blocks is read. Its samples are
-    returned for every step (``[num_steps, S]``), and the last valid one in the next step's
-    in-flight token array, as ``sample_fn`` does for one step. The same per-step arithmetic as
-    ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one step would."""
+    next step's inputs. Row ``r`` runs ``row_steps[r]`` steps (not increasing along the rows), so
+    each step computes a prefix of the rows: the rest are padding in it, as the bucket's padding
+    rows are (no query, no KV written, no logits). Samples are returned for every step
+    (``[num_steps, S]``; a row's samples past its steps are junk), and each row's last valid one in
+    the next step's in-flight token array, as ``sample_fn`` does for one step. The same per-step
+    arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
+    step would."""
     input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -288,12 +290,13 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
 
     def one_step(carry, i):
         kv_pages, ids = carry
+        active = jnp.sum(row_steps > i)                   # the leading rows that still step
         pos = positions + jnp.minimum(i, tok_last)
         slot = jnp.where(i < tok_steps, md.block_tables[tok_row, pos // bs] * bs + pos % bs, PAD_SLOT)
-        seq_lens = jnp.where(md.seq_lens > 0, md.seq_lens + jnp.minimum(i, last), 0)
-        logits, kv_pages = statics.module.apply(
-            {"params": params}, ids, pos, kv_pages, dataclasses.replace(md, slot_mapping=slot, seq_lens=seq_lens),
-            logits_indices, num_logits)
+        step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=jnp.where(i < row_steps, md.seq_lens + i, 0),
+                                      query_start_loc=jnp.minimum(md.query_start_loc, active))
+        logits, kv_pages = statics.module.apply({"params": params}, ids, pos, kv_pages, step_md, logits_indices,
+                                                jnp.minimum(num_logits, active))
         out = sample(logits[:S], dataclasses.replace(sampling, position=sampling.position + i), flags)
         return (kv_pages, ids.at[:S].set(out.tokens)), out
 

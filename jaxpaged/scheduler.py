@@ -22,6 +22,11 @@ logits row (``SchedulerOutput.forks``). The engine forks beams with ``fork_reque
 request that shares a partly filled block copies it on its first write (``blocks_to_copy``).
 A running request can also be *idle*: all its tokens computed while the engine waits for the
 rest of its beam group; idle requests are preempted first when nothing else can run.
+
+Multi-step scheduling (``num_scheduler_steps`` = k > 1, vLLM's): when every running request is a
+plain decode that may run several steps (``Request.multi_step``) and no waiting request could be
+admitted, one schedule hands out a group of up to k decode steps per request, run as one program;
+its KV blocks are allocated up front, so the group needs no scheduling between its steps.
 """
 
 from __future__ import annotations
@@ -63,8 +68,8 @@ class SchedulerOutput:
     """(host block, device block) pairs copied to the device before this step."""
     num_steps: int = 1
     """More than 1: a multi-step decode batch. Every row decodes one token per step for
-    ``num_new_tokens[i]`` (at most ``num_steps``) consecutive steps of one program, sampling each
-    step; its first token is the one at ``start_positions[i]``."""
+    ``num_new_tokens[i]`` (at most ``num_steps``, never increasing along the rows) consecutive steps
+    of one program, sampling each step; its first token is the one at ``start_positions[i]``."""
 
     @property
     def total_num_tokens(self) -> int:
@@ -333,6 +338,10 @@ class Scheduler:
             steps.append(n)
         if not rows or need > kv.num_free_blocks:
             return None
+        if min(steps) < k:
+            # Rows with the most steps first: each step then computes a prefix of the rows.
+            order = sorted(range(len(rows)), key=steps.__getitem__, reverse=True)
+            rows, steps = [rows[i] for i in order], [steps[i] for i in order]
         starts, host_tokens = [], []
         for request, n in zip(rows, steps):
             computed, in_flight = request.num_computed_tokens, request.num_output_placeholders

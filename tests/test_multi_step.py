@@ -162,9 +162,10 @@ def _decoding(sched: Scheduler, max_tokens: list[int], prompt_len: int = 6) -> l
 def test_a_group_gives_each_row_its_steps_and_blocks():
     sched = _scheduler(k=4)
     kv = sched.kv_cache_manager
-    a, b, c = _decoding(sched, [30, 3, 2])
+    b, a, c = _decoding(sched, [3, 30, 2])
     out = sched.schedule()
-    # Outputs left: 29, 2 and 1, so 4, 2 and 1 steps; every step's KV slot is allocated now.
+    # Outputs left: 29, 2 and 1, so 4, 2 and 1 steps, rows with more steps first (each step computes
+    # a prefix of the rows); every step's KV slot is allocated now.
     assert (out.num_steps, out.requests, out.num_new_tokens) == (4, [a, b, c], [4, 2, 1])
     assert out.start_positions == [6, 6, 6] and out.num_host_tokens == [1, 1, 1] and all(out.samples)
     assert [r.num_computed_tokens for r in (a, b, c)] == [10, 8, 7]
