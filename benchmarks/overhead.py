@@ -143,6 +143,12 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     run ``steps`` times back to back on the device alone; aborts the requests afterwards."""
     from jaxpaged import SamplingParams
 
+    k = engine.config.scheduler.num_scheduler_steps
+    prompt_steps = -(-num_requests * prompt_len // engine.config.scheduler.max_num_batched_tokens)
+    if prompt_steps + (warmup + steps) * k >= engine.max_model_len - prompt_len:
+        raise ValueError(f"{warmup} + {steps} steps of {k} decode steps each, after {prompt_steps} steps of prompts, "
+                         f"do not fit in max_model_len ({engine.max_model_len}) minus the prompt ({prompt_len}): "
+                         f"ask for fewer steps or a larger max_model_len")
     rng = np.random.default_rng(seed)
     # As long as possible: the requests prefilled first decode while the others' prompts run.
     sp = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True,
@@ -167,7 +173,6 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     finally:
         for rid in ids:
             engine.abort_request(rid)
-    k = engine.config.scheduler.num_scheduler_steps
     bad = [t for t in timings if (t.num_requests, t.num_tokens, t.num_steps) != (num_requests, k * num_requests, k)]
     if bad:
         raise RuntimeError(f"a timed step was not {k} pure decode step(s) of {num_requests} requests: {bad[0]}")
