@@ -113,6 +113,44 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine, llm_engine):
     assert not out.finished
 
 
+def test_multi_step_streams_in_bursts_and_aborts_mid_group(tiny):
+    """With num_scheduler_steps = 4 a stream gets several tokens per output, HF's greedy tokens in
+    the end; a stream left mid-group aborts its request and frees its blocks (group's lookahead
+    ones included) while the others run on."""
+    llm_engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), num_scheduler_steps=4, **ENGINE_ARGS))
+    engine = AsyncLLMEngine(llm_engine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+    async def streamed(rid: str, prompt: list[int], leave_after: int | None = None) -> list[list[int]]:
+        seen = []
+        stream = await engine.add_request(engine.make_request(rid, prompt, greedy))
+        async with stream:
+            async for out in stream:
+                seen.append(list(out.outputs[0].token_ids))
+                if leave_after is not None and len(seen[-1]) >= leave_after:
+                    break
+        return seen
+
+    async def main():
+        outs = await asyncio.gather(streamed("a", [5, 6, 7]), streamed("b", list(range(10, 30))),
+                                    streamed("c", [40, 41, 42, 43], leave_after=2))
+        await wait_for(lambda: engine.stats.num_running == 0
+                       and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+        return outs
+
+    try:
+        a, b, c = asyncio.run(main())
+        for seen, prompt in ((a, [5, 6, 7]), (b, list(range(10, 30)))):
+            assert seen[-1] == hf_greedy(tiny[1], prompt, 14)[0]
+            assert all(x == seen[-1][:len(x)] for x in seen)
+            assert max(len(y) - len(x) for x, y in zip([[]] + seen, seen)) > 1     # bursts: groups ran
+        assert len(c[-1]) < 14
+        assert not llm_engine.has_unfinished_requests()
+        assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
+    finally:
+        engine.shutdown()
+
+
 def test_event_loop_runs_while_engine_steps(llm_engine):
     gated = GatedEngine(llm_engine)
     engine = AsyncLLMEngine(gated)
