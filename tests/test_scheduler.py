@@ -23,18 +23,18 @@ from jaxpaged.scheduler import Scheduler, SchedulerOutput
 
 def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
     return Request(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens),
-                   max_tokens=max_tokens, seed=0)
+                   max_tokens=max_tokens, seed=0, multi_step=True)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
-                   chunked: bool = True, max_model_len: int = 1024) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs, chunked),
+                   chunked: bool = True, max_model_len: int = 1024, num_scheduler_steps: int = 1) -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, max_seqs, chunked, num_scheduler_steps=num_scheduler_steps),
                      KVCacheManager(num_blocks, block_size), max_model_len)
 
 
 class FakeEngine:
-    """Drives a scheduler like the engine does (append a token to every request that sampled,
-    finish it at max_tokens) and checks every step. With ``lag`` the tokens of a step are taken in
+    """Drives a scheduler like the engine does (append a token to every request that sampled, one
+    per step of a multi-step group, finish it at max_tokens) and checks every step. With ``lag`` the tokens of a step are taken in
     after the next step is scheduled, as the engine's async scheduling does (the scheduler counts
     them as output placeholders meanwhile)."""
 
@@ -59,16 +59,18 @@ class FakeEngine:
                 self.lost[req.request_id] += computed_before[req.request_id]
         for req, n in zip(out.requests, out.num_new_tokens):
             self.computed[req.request_id] += n
-        sampled = [req for req, samples in zip(out.requests, out.samples) if samples]
+        sampled = [(req, n if out.num_steps > 1 else 1)
+                   for req, n, samples in zip(out.requests, out.num_new_tokens, out.samples) if samples]
         if self.lag:
             sampled, self.in_flight = self.in_flight, sampled
-        for req in sampled:
-            req.num_output_placeholders -= 1
-            if req.is_finished:            # aborted while its step was in flight
-                continue
-            req.output_token_ids.append(len(req.output_token_ids))
-            if req.num_output_tokens == req.max_tokens:
-                sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        for req, count in sampled:
+            for _ in range(count):
+                req.num_output_placeholders -= 1
+                if req.is_finished:        # aborted while its step was in flight
+                    continue
+                req.output_token_ids.append(len(req.output_token_ids))
+                if req.num_output_tokens == req.max_tokens:
+                    sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
         check_scheduler_state(sched)
         return out
 
@@ -76,7 +78,9 @@ class FakeEngine:
                       waiting_before: list[Request], computed_before: dict[str, int]) -> None:
         cfg = self.sched.config
         assert len(out.requests) == len(out.num_new_tokens) == len(out.start_positions)
-        assert out.total_num_tokens == sum(out.num_new_tokens) <= cfg.max_num_batched_tokens
+        assert out.total_num_tokens == sum(out.num_new_tokens)
+        # A group of steps computes one token per row in each step.
+        assert (len(out.requests) if out.num_steps > 1 else out.total_num_tokens) <= cfg.max_num_batched_tokens
         assert len(out.requests) <= cfg.max_num_seqs
         assert out.is_empty == (not out.requests)
         assert out.blocks_to_copy == []
@@ -96,6 +100,13 @@ class FakeEngine:
         k = sum(r in running_before for r in out.requests)
         eligible = [r for r in running_before
                     if r in out.requests or r.num_output_tokens + r.num_output_placeholders < r.max_tokens]
+        if out.num_steps > 1:
+            # A group: every running request with outputs left, those with more steps first.
+            assert 1 < out.num_steps == cfg.num_scheduler_steps and not out.preempted and k == len(out.requests)
+            assert sorted(map(id, out.requests)) == sorted(map(id, eligible))
+            assert out.num_new_tokens == sorted(out.num_new_tokens, reverse=True)
+            assert max(out.num_new_tokens) <= out.num_steps
+            return
         assert out.requests[:k] == eligible[:k]
         assert out.requests[k:] == waiting_before[:len(out.requests) - k]
         if out.preempted:
@@ -443,6 +454,7 @@ workload = st.fixed_dictionaries({
     "max_seqs": st.integers(1, 6),
     "chunked": st.booleans(),
     "lag": st.booleans(),
+    "num_scheduler_steps": st.sampled_from([1, 1, 3, 8]),
     # (prompt_len, max_tokens, arrival_step)
     "requests": st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(0, 15)),
                          min_size=1, max_size=10),
@@ -457,7 +469,8 @@ def test_random_workloads_finish_within_budgets(w: dict) -> None:
     max_prompt = max(p for p, _, _ in w["requests"])
     num_blocks = 1 + -(-max_total // bs) + w["extra_blocks"]
     budget = (max_prompt if not w["chunked"] else 1) + w["extra_budget"]
-    sched = make_scheduler(num_blocks, bs, budget, w["max_seqs"], w["chunked"], max_model_len=max_total)
+    sched = make_scheduler(num_blocks, bs, budget, w["max_seqs"], w["chunked"], max_model_len=max_total,
+                           num_scheduler_steps=w["num_scheduler_steps"])
     eng = FakeEngine(sched, lag=w["lag"])
     reqs = [make_request(str(i), p, m) for i, (p, m, _) in enumerate(w["requests"])]
     arrivals = sorted(range(len(reqs)), key=lambda i: w["requests"][i][2])
