@@ -512,10 +512,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random interleavings of add (possibly impossible), step and abort (any state)."""
 
     @initialize(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
-                budget=st.integers(1, 12), max_seqs=st.integers(1, 4), chunked=st.booleans(), lag=st.booleans())
+                budget=st.integers(1, 12), max_seqs=st.integers(1, 4), chunked=st.booleans(), lag=st.booleans(),
+                num_scheduler_steps=st.sampled_from([1, 4]))
     def setup(self, num_blocks: int, block_size: int, budget: int, max_seqs: int,
-              chunked: bool, lag: bool) -> None:
-        self.sched = make_scheduler(num_blocks, block_size, budget, max_seqs, chunked, max_model_len=40)
+              chunked: bool, lag: bool, num_scheduler_steps: int) -> None:
+        self.sched = make_scheduler(num_blocks, block_size, budget, max_seqs, chunked, max_model_len=40,
+                                    num_scheduler_steps=num_scheduler_steps)
         self.eng = FakeEngine(self.sched, lag=lag)
         self.next_id = 0
         self.known: dict[str, Request] = {}
