@@ -124,6 +124,25 @@ def test_overhead_phases_partition_the_step(tiny):
     assert not engine.has_unfinished_requests()
 
 
+def test_overhead_counts_a_group_as_its_decode_steps(tiny):
+    """With num_scheduler_steps = 4 every timed engine step is a group of 4 decode steps of all
+    requests, and the figures are per decode step; a step count that outgrows max_model_len is
+    refused before any request is added."""
+    import statistics
+
+    engine = _engine(tiny[0], num_scheduler_steps=4)
+    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
+    assert [(t.num_requests, t.num_tokens, t.num_steps) for t in timings] == [(4, 16, 4)] * 3
+    row = overhead.summarize(timings, device_only)
+    assert row["step"] == pytest.approx(1e3 * statistics.median(t.step for t in timings) / 4)
+    assert row["device_only"] == pytest.approx(1e3 * statistics.median(device_only) / 4)
+    with pytest.raises(ValueError, match="do not fit in max_model_len"):
+        overhead.measure(engine, num_requests=4, steps=20, warmup=1, prompt_len=8,
+                         output_kind=RequestOutputKind.FINAL_ONLY)
+    assert not engine.has_unfinished_requests()
+
+
 def test_serving_percentiles_and_goodput_on_synthetic_timings():
     a = serving.RequestRecord(10, 4, send_time=0.0, chunk_times=[0.5, 0.6, 0.7, 0.8], end_time=0.8,
                               completion_tokens=4)
