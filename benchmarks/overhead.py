@@ -27,8 +27,8 @@ step followed by the bookkeeping of its sampled tokens: the pure-Python part, fr
 that a device step running on the same two cores adds to the other phases.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
-greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, and ``CUMULATIVE`` ones, as
-the server streams them. Every timed step is checked to be a pure decode step of all requests.
+greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
+streams them, and ``CUMULATIVE`` ones (the Python API's default). Every timed step is checked to be a pure decode step of all requests.
 
 ``python -m benchmarks.overhead [--batch-sizes 16,64,256] [--steps 30]``
 """
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokenizer == "none":
         args.tokenizer = None
 
-    kinds = {"final": RequestOutputKind.FINAL_ONLY, "cumulative": RequestOutputKind.CUMULATIVE}
+    kinds = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+             "cumulative": RequestOutputKind.CUMULATIVE}
     rows = []
     modes = [("async", 1), ("sync", 1), *(("async", k) for k in args.num_scheduler_steps if k > 1)]
     for sched, k in modes:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.request import Request, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:                   # the engine pulls in JAX; importing this module should not
     from jaxpaged.engine import LLMEngine
@@ -68,8 +68,9 @@ class EngineStats:
 class RequestStream:
     """Async iterator over one request's ``RequestOutput``s; ends after the finished one.
 
-    Outputs are cumulative (each carries the whole text so far), so only the newest is kept:
-    a slow reader skips intermediate ones and a stream's memory stays bounded. Leaving
+    A reader that falls behind gets one output for the several it missed: the newest of
+    ``CUMULATIVE`` ones (each carries everything so far), or the ``DELTA`` ones merged into one
+    (``RequestOutput.add``), so nothing is lost and a stream holds at most one output. Leaving
     ``async with stream`` before the request finished aborts it, freeing its KV blocks.
     """
 
@@ -79,6 +80,9 @@ class RequestStream:
         self.loop = loop
         self.last: RequestOutput | None = None
         """The newest output handed to the reader."""
+        self.num_output_tokens: dict[int, int] = {}
+        """Tokens of each sample (by ``CompletionOutput.index``) in the outputs handed to the reader."""
+        self._delta = request.sampling_params.output_kind is RequestOutputKind.DELTA
         self._engine = engine
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -90,7 +94,10 @@ class RequestStream:
         return self.last is not None and self.last.finished
 
     def _put(self, output: RequestOutput) -> None:
-        self._pending = output
+        if self._delta and self._pending is not None:
+            self._pending.add(output)
+        else:
+            self._pending = output
         self._done = output.finished
         self._event.set()
 
@@ -110,6 +117,10 @@ class RequestStream:
         while True:
             if self._pending is not None:
                 self.last, self._pending = self._pending, None
+                counts = self.num_output_tokens
+                for c in self.last.outputs:
+                    before = counts.get(c.index, 0) if self._delta else 0
+                    counts[c.index] = before + len(c.token_ids)
                 return self.last
             if self._error is not None:
                 raise self._error

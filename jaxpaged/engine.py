@@ -61,13 +61,13 @@ def _sample_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string (held back
-    while streaming: the next tokens may complete the stop string, and it must never be sent)."""
+def _stop_prefix_len(text: str, stops: list[str], end: int) -> int:
+    """Length of the longest tail of ``text[:end]`` that is a proper prefix of a stop string (held
+    back while streaming: the next tokens may complete the stop string, and it must never be sent)."""
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
+        for k in range(min(len(stop) - 1, end), best, -1):
+            if text.endswith(stop[:k], 0, end):
                 best = k
                 break
     return best
@@ -602,17 +602,18 @@ class LLMEngine:
         """One sample's output; while it runs, text that may begin a stop string is held back.
         With ``RequestOutputKind.DELTA`` its text, token ids and logprobs are only the new ones."""
         sp = req.sampling_params
-        text = self._detokenizers[req.request_id].text[:req.output_text_end]
+        full = self._detokenizers[req.request_id].text
+        end = len(full) if req.output_text_end is None else req.output_text_end
         if not req.is_finished and sp.stop and not sp.include_stop_str_in_output:
-            text = text[:len(text) - _stop_prefix_len(text, sp.stop)]
-        delta_text, req.num_text_sent = text[req.num_text_sent:], len(text)
+            end -= _stop_prefix_len(full, sp.stop, end)
+        delta_text, req.num_text_sent = full[req.num_text_sent:end], end
         sent, req.num_tokens_sent = req.num_tokens_sent, req.num_output_tokens
         delta_ids = req.output_token_ids[sent:]
         top = req.output_top_logprobs
-        if sp.output_kind is RequestOutputKind.DELTA:
+        if sp.output_kind is RequestOutputKind.DELTA:       # O(new tokens): nothing old is copied
             text, token_ids, top = delta_text, delta_ids, None if top is None else top[sent:]
         else:
-            token_ids, top = list(req.output_token_ids), None if top is None else list(top)
+            text, token_ids, top = full[:end], list(req.output_token_ids), None if top is None else list(top)
         return CompletionOutput(
             index=req.sample_index, text=text, token_ids=token_ids,
             cumulative_logprob=float(sum(req.output_logprobs)) if sp.needs_logprobs else None, logprobs=top,
@@ -635,6 +636,11 @@ class LLMEngine:
             metrics["first_token_time"] = min(first)
         if finished:
             metrics["finished_time"] = max(r.finished_time or 0.0 for r in samples)
+        prompt_logprobs = parent.prompt_logprobs
+        if sp.output_kind is RequestOutputKind.DELTA and any(r.num_tokens_sent for r in samples):
+            prompt_logprobs = None                  # sent with the first output
+        elif prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [self._completion(r) for r in samples], finished=finished, metrics=metrics,
-                             prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs))
+                             prompt_logprobs=prompt_logprobs)

@@ -188,6 +188,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later ``DELTA`` output of the same sequence (what both say, as one delta)."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.delta_text += later.delta_text
+        self.delta_token_ids = self.delta_token_ids + later.delta_token_ids
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 @dataclass
 class RequestOutput:
@@ -200,4 +211,19 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """Per prompt token (the first is None), when ``prompt_logprobs`` was asked for."""
+    """Per prompt token (the first is None), when ``prompt_logprobs`` was asked for; with
+    ``RequestOutputKind.DELTA`` only in a request's first output (as vLLM)."""
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later ``DELTA`` output of the same request into this one, so that a reader that
+        fell behind gets one output saying what the skipped ones said (vLLM's ``aggregate``)."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index in mine:
+                mine[c.index].add(c)
+            else:
+                self.outputs.append(c)
+        self.finished = later.finished
+        self.metrics = {**self.metrics, **later.metrics}
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -71,12 +71,12 @@ class ServerMetrics:
         self.e2e = Histogram("jaxpaged:e2e_request_latency_seconds", "Arrival to last output token.",
                              label, buckets=_LATENCY_BUCKETS, registry=r)
 
-    def record(self, num_prompt_tokens: int, last: RequestOutput | None) -> None:
-        """Count one ended engine request; ``last`` is its newest output (None if it produced none)."""
+    def record(self, num_prompt_tokens: int, last: RequestOutput | None, num_output_tokens: dict[int, int]) -> None:
+        """Count one ended engine request; ``last`` is its newest output (None if it produced none),
+        ``num_output_tokens`` the tokens of each of its samples (outputs may be deltas)."""
         m = self._model_name
         self.prompt_tokens.labels(m).inc(num_prompt_tokens)
-        num_generated = sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
-        self.generation_tokens.labels(m).inc(num_generated)
+        self.generation_tokens.labels(m).inc(sum(num_output_tokens.values()))
         finished = last is not None and last.finished
         reason = last.outputs[0].finish_reason if finished else "abort"
         self.requests.labels(m, reason).inc()
@@ -87,7 +87,7 @@ class ServerMetrics:
             self.ttft.labels(m).observe(t["first_token_time"] - t["arrival_time"])
         if "finished_time" in t:
             self.e2e.labels(m).observe(t["finished_time"] - t["arrival_time"])
-            num_decoded = len(last.outputs[0].token_ids) - 1
+            num_decoded = num_output_tokens[last.outputs[0].index] - 1
             if num_decoded > 0 and "first_token_time" in t:
                 self.tpot.labels(m).observe((t["finished_time"] - t["first_token_time"]) / num_decoded)
 

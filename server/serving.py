@@ -1,9 +1,10 @@
 """The completion and chat endpoints: requests -> engine requests -> OpenAI responses or SSE.
 
 A completion with several prompts is one engine request per prompt; choice ``i * n + j`` is
-prompt ``i``'s ``j``-th sample. A streamed request's engine outputs carry the whole text so far,
-so streamed deltas are what each output adds to what was already sent; concatenated they equal the
-non-streamed text, for which the engine hands over only the final output. Every engine request is
+prompt ``i``'s ``j``-th sample. A streamed request's engine outputs are deltas
+(what is new since the previous one, merged by the stream when the reader falls behind);
+concatenated they equal the non-streamed text, for which the engine hands over only the final
+output. Every engine request is
 aborted (its KV blocks freed) as soon as its HTTP request goes away, and logged and counted in the
 metrics when it ends.
 """
@@ -82,15 +83,8 @@ class _ChoiceState:
     """What has been sent of one choice so far."""
 
     started: bool = False
-    num_chars: int = 0
-    num_tokens: int = 0
     text_offset: int = 0
     """Where the next token's text starts (the completions API's ``logprobs.text_offset``)."""
-
-    def advance(self, c: CompletionOutput) -> None:
-        self.started = True
-        self.num_chars = len(c.text)
-        self.num_tokens = len(c.token_ids)
 
 
 @dataclass
@@ -108,7 +102,7 @@ class _Job:
     @property
     def usage(self) -> UsageInfo:
         prompt = sum(s.num_prompt_tokens for s in self.streams)
-        completion = sum(len(c.token_ids) for s in self.streams if s.last is not None for c in s.last.outputs)
+        completion = sum(sum(s.num_output_tokens.values()) for s in self.streams)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -196,18 +190,17 @@ class OpenAIServing:
 
     def _completion_piece(self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState,
                           body: CompletionRequest) -> tuple[str, CompletionLogprobs | None]:
-        """What ``c`` adds to what ``state`` says was sent (all of it, for a fresh state): text and,
-        if asked for, logprobs; the first piece starts with the prompt when ``echo``."""
+        """``c`` (a delta, or the whole output) as a choice's text and, if asked for, logprobs; the
+        first piece starts with the prompt when ``echo``."""
         echo = body.echo and not state.started
-        text = (self._prompt_text(out) if echo else "") + c.text[state.num_chars:]
+        text = (self._prompt_text(out) if echo else "") + c.text
         logprobs = None
         if body.logprobs is not None:
             logprobs = CompletionLogprobs()
             if echo:
                 self._add_completion_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, state)
-            self._add_completion_logprobs(logprobs, c.token_ids[state.num_tokens:],
-                                          c.logprobs[state.num_tokens:], state)
-        state.advance(c)
+            self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, state)
+        state.started = True
         return text, logprobs
 
     def _add_completion_logprobs(self, logprobs: CompletionLogprobs, token_ids: Sequence[int],
@@ -244,7 +237,7 @@ class OpenAIServing:
         await run_until_disconnect(raw, self._collect(job))
         choices = []
         for j, c in enumerate(job.finals[0].outputs):
-            text, logprobs = self._chat_piece(c, _ChoiceState(), body)
+            text, logprobs = self._chat_piece(c, body)
             choices.append(ChatChoice(index=j, message=ChatResponseMessage(content=text), logprobs=logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
@@ -261,26 +254,24 @@ class OpenAIServing:
 
         for j in range(job.n):
             yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
-        states = [_ChoiceState() for _ in range(job.n)]
         async with aclosing(self._merged(job)) as outputs:
             async for _, out in outputs:
                 for j, c in enumerate(out.outputs):
-                    text, logprobs = self._chat_piece(c, states[j], body)
+                    text, logprobs = self._chat_piece(c, body)
                     if text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
                         yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
                                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason))
 
     @staticmethod
-    def _chat_piece(c: CompletionOutput, state: _ChoiceState,
-                    body: ChatCompletionRequest) -> tuple[str, ChatChoiceLogprobs | None]:
-        """What ``c`` adds to what ``state`` says was sent: text and, if asked for, logprobs in
-        the chat format (each token with its ``top_logprobs`` most likely alternatives)."""
-        text = c.text[state.num_chars:]
+    def _chat_piece(c: CompletionOutput, body: ChatCompletionRequest) -> tuple[str, ChatChoiceLogprobs | None]:
+        """``c`` (a delta, or the whole output) as text and, if asked for, logprobs in the chat
+        format (each token with its ``top_logprobs`` most likely alternatives)."""
+        text = c.text
         logprobs = None
         if body.logprobs:
             content = []
-            for token, entries in zip(c.token_ids[state.num_tokens:], c.logprobs[state.num_tokens:]):
+            for token, entries in zip(c.token_ids, c.logprobs):
                 top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)[:body.top_logprobs or 0]
                 chosen = entries[token]
                 content.append(ChatTokenLogprob(
@@ -288,7 +279,6 @@ class OpenAIServing:
                     top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob,
                                              bytes=list(lp.decoded_token.encode())) for lp in top]))
             logprobs = ChatChoiceLogprobs(content=content)
-        state.advance(c)
         return text, logprobs
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -381,8 +371,8 @@ class OpenAIServing:
 
     def _log_end(self, stream: RequestStream, arrival_time: float) -> None:
         last = stream.last
-        self.metrics.record(stream.num_prompt_tokens, last)
-        generated = sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
+        self.metrics.record(stream.num_prompt_tokens, last, stream.num_output_tokens)
+        generated = sum(stream.num_output_tokens.values())
         reason = last.outputs[0].finish_reason if stream.finished else "abort"
         logger.info("%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s", stream.request_id,
                     stream.num_prompt_tokens, generated, time.time() - arrival_time, reason)

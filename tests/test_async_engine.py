@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jaxpaged import EngineArgs, LLMEngine, SamplingParams
+from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from jaxpaged.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from tiny_models import hf_greedy
 
@@ -94,6 +94,46 @@ def test_outputs_are_streamed_and_cumulative(engine):
     seen = asyncio.run(main())
     assert seen[-1] and len(seen[-1]) == 8
     assert all(a == seen[-1][:len(a)] for a in seen)        # each output extends the previous one
+
+
+def test_delta_outputs_merge_for_a_reader_that_falls_behind(engine):
+    """DELTA outputs a reader has not taken yet are merged into one: whether it reads every step,
+    or reads once and then only after the request finished, what it gets adds up to the
+    CUMULATIVE request's final output (text, tokens, logprobs, prompt logprobs once, finish)."""
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, logprobs=1,
+                              prompt_logprobs=1, stop=[" the"], output_kind=kind)
+
+    async def read(request_id: str, kind: RequestOutputKind, lag: bool):
+        stream = await engine.add_request(engine.make_request(request_id, [5, 6, 7, 8], params(kind)))
+        outs = []
+        async with stream:
+            async for out in stream:
+                outs.append(out)
+                if lag and len(outs) == 1:
+                    await wait_for(lambda: engine.stats.num_running == 0)
+        return outs, stream.num_output_tokens
+
+    async def main():
+        return await asyncio.gather(read("cumulative", RequestOutputKind.CUMULATIVE, False),
+                                    read("delta", RequestOutputKind.DELTA, False),
+                                    read("delta-lagging", RequestOutputKind.DELTA, True))
+
+    (cumulative, _), (delta, delta_counts), (lagging, lagging_counts) = asyncio.run(main())
+    final = cumulative[-1]
+    assert len(lagging) == 2 < len(delta)                    # all but the first merged into one
+    for outs, counts in ((delta, delta_counts), (lagging, lagging_counts)):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[0].prompt_logprobs == final.prompt_logprobs
+        assert all(o.prompt_logprobs is None for o in outs[1:])
+        for c in final.outputs:
+            mine = [d for o in outs for d in o.outputs if d.index == c.index]
+            assert "".join(d.text for d in mine) == c.text
+            assert sum((d.token_ids for d in mine), []) == c.token_ids
+            assert sum((d.logprobs for d in mine), []) == c.logprobs
+            assert (mine[-1].finish_reason, mine[-1].stop_reason) == (c.finish_reason, c.stop_reason)
+            assert mine[-1].cumulative_logprob == c.cumulative_logprob
+            assert counts[c.index] == len(c.token_ids)
 
 
 def test_leaving_the_stream_aborts_and_frees_blocks(engine, llm_engine):

@@ -219,6 +219,26 @@ def test_non_streamed_request_gets_only_its_final_output(client, monkeypatch):
     assert list(puts.values()) == [8]
 
 
+def test_token_metrics_count_streamed_and_non_streamed_requests(client, url):
+    """Generated tokens, request and per-token latency counts in ``/metrics``: a streamed n = 2
+    request (delta outputs) counts every token of both samples, as the non-streamed one does."""
+    kw = dict(model=MODEL, prompt="Paged attention", max_tokens=7, n=2, temperature=1.0, seed=2,
+              extra_body={"ignore_eos": True})
+    names = ["jaxpaged:generation_tokens_total", "jaxpaged:request_success_total",
+             "jaxpaged:time_per_output_token_seconds_count"]
+    for stream in (False, True):
+        wait_until_idle(url)
+        before = [metric(url, name) for name in names]
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(**kw).usage
+        wait_until_idle(url)
+        assert usage.completion_tokens == 14
+        assert [metric(url, name) - b for name, b in zip(names, before)] == [14, 1, 1]
+
+
 def test_stop_string_streamed_and_not(client):
     kw = dict(model=MODEL, prompt="Paged attention", max_tokens=24, temperature=1.0, seed=11,
               extra_body={"ignore_eos": True})
