@@ -637,10 +637,11 @@ class LLMEngine:
         if finished:
             metrics["finished_time"] = max(r.finished_time or 0.0 for r in samples)
         prompt_logprobs = parent.prompt_logprobs
-        if sp.output_kind is RequestOutputKind.DELTA and any(r.num_tokens_sent for r in samples):
-            prompt_logprobs = None                  # sent with the first output
-        elif prompt_logprobs is not None:
-            prompt_logprobs = list(prompt_logprobs)
+        if prompt_logprobs is not None:
+            if sp.output_kind is not RequestOutputKind.DELTA:
+                prompt_logprobs = list(prompt_logprobs)
+            elif any(r.num_tokens_sent for r in samples):
+                prompt_logprobs = None              # sent with the first output
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [self._completion(r) for r in samples], finished=finished, metrics=metrics,
                              prompt_logprobs=prompt_logprobs)

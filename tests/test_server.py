@@ -273,6 +273,18 @@ def test_logprobs(client, tiny):
     assert echo.logprobs.token_logprobs[len(prompt):] == lp.token_logprobs
     assert echo.text.endswith(full.text)
 
+    # Streamed with echo and two samples: each choice's pieces add up to the non-streamed choice
+    # (the prompt's logprobs come once, with the engine's first delta, for every choice).
+    sampled = dict(kw, n=2, temperature=1.0, seed=4, echo=True)
+    whole = client.completions.create(**sampled).choices
+    pieces = list(client.completions.create(stream=True, **sampled))
+    assert len(whole) == 2
+    for choice in whole:
+        mine = [c.choices[0] for c in pieces if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        for name in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+            assert sum((getattr(c.logprobs, name) for c in mine), []) == getattr(choice.logprobs, name)
+
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                           max_completion_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3,
                                           extra_body={"ignore_eos": True}).choices[0]
