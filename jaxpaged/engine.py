@@ -616,7 +616,7 @@ class LLMEngine:
             text, token_ids, top = full[:end], list(req.output_token_ids), None if top is None else list(top)
         return CompletionOutput(
             index=req.sample_index, text=text, token_ids=token_ids,
-            cumulative_logprob=float(sum(req.output_logprobs)) if sp.needs_logprobs else None, logprobs=top,
+            cumulative_logprob=req.cumulative_logprob if sp.needs_logprobs else None, logprobs=top,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             delta_text=delta_text, delta_token_ids=delta_ids)
 
@@ -629,7 +629,7 @@ class LLMEngine:
         if not finished and (sp.best_of > sp.n or sp.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
         if sp.best_of > sp.n:
-            samples = sorted(samples, key=lambda r: sum(r.output_logprobs), reverse=True)[:sp.n]
+            samples = sorted(samples, key=lambda r: r.cumulative_logprob, reverse=True)[:sp.n]
         metrics = {"arrival_time": parent.arrival_time}
         first = [r.first_token_time for r in samples if r.first_token_time is not None]
         if first:

@@ -96,6 +96,9 @@ class Request:
     arrival_time: float = 0.0
     output_logprobs: list[float] = field(default_factory=list)
     """The chosen tokens' logprobs, when ``sampling_params.needs_logprobs`` (``best_of`` ranks samples by their sum)."""
+    logprob_sum: float = 0.0
+    """The sum of ``output_logprobs[:num_logprobs_summed]`` (see ``cumulative_logprob``)."""
+    num_logprobs_summed: int = 0
     output_top_logprobs: list[TokenLogprobs] | None = None
     """Per generated token, when ``sampling_params.logprobs`` is set."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -139,6 +142,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of ``output_logprobs``, added up in order; each call adds only the new ones, so a
+        streamed output's cost stays O(new tokens)."""
+        lps, total = self.output_logprobs, self.logprob_sum
+        for i in range(self.num_logprobs_summed, len(lps)):
+            total += lps[i]
+        self.logprob_sum, self.num_logprobs_summed = total, len(lps)
+        return total
 
     @property
     def num_tokens_with_placeholders(self) -> int:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from jaxpaged.request import Request
 from tiny_models import random_prompts
 
 
@@ -177,6 +178,26 @@ def test_output_kinds(tiny):
     assert sum((o.outputs[0].token_ids for o in delta), []) == full.token_ids == final[0].outputs[0].token_ids
     assert sum((o.outputs[0].logprobs for o in delta), []) == full.logprobs
     assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 13))
+
+
+def test_cumulative_logprob_adds_each_logprob_once_in_order():
+    """Read between appends or only at the end, the sum is the logprobs added up in order."""
+    rng = np.random.default_rng(1)
+    values = (-rng.exponential(size=200)).tolist()
+    req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(logprobs=0),
+                  max_tokens=200, seed=0)
+    once = Request(request_id="s", prompt_token_ids=[1, 2], sampling_params=SamplingParams(logprobs=0),
+                  max_tokens=200, seed=0)
+    expected, seen = 0.0, []
+    for i, v in enumerate(values):
+        req.output_logprobs.append(v)
+        expected += v
+        if i % 7 in (0, 3):
+            seen.append(req.cumulative_logprob == expected)
+    once.output_logprobs.extend(values)
+    assert all(seen) and len(seen) > 50
+    assert req.cumulative_logprob == once.cumulative_logprob == expected
+    assert expected == pytest.approx(sum(values), abs=1e-9)
 
 
 def test_output_kind_is_validated():
