@@ -46,7 +46,9 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
     e = llm.engine
     quantized = sum(a.dtype == np.uint8 for a in jax.tree_util.tree_leaves(e.runner.model.params))
     k = engine_args.get("num_scheduler_steps", 1)
-    name = f"jaxpaged ({engine_args['dtype']}{', q-weights' if quantized else ''}{f', {k} steps' if k > 1 else ''})"
+    matmul = e.runner.model.module.matmul_backend
+    name = (f"jaxpaged ({engine_args['dtype']}{', q-weights' if quantized else ''}"
+            f"{', XLA dot' if matmul == 'xla' else ''}{f', {k} steps' if k > 1 else ''})")
     return {"system": name, "quantized_weights": quantized, "load_s": load_s, "warmup_s": e.warmup_time,
             "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
             "preemptions": e.scheduler.num_preemptions}
@@ -136,11 +138,13 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     rows, runs = [], []
     quantizations = args.quantization.split(",")
-    # One run per distinct engine: per dtype, quantized blocks kept or not.
+    # One run per distinct engine: per dtype, the matmul backend and whether it runs quantized blocks.
+    from pallas_kernels import resolve_matmul_backend
     kept = {}
     for d in dtypes:
         for q in quantizations:
-            kept.setdefault((d, keeps_quantized_blocks(q, d)), q)
+            matmul = resolve_matmul_backend("auto", dtype=d, quantized=q == "gguf")
+            kept.setdefault((d, matmul, matmul == "cpu" and keeps_quantized_blocks(q, d)), q)
     for (dtype, _), quantization in kept.items():
         engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,

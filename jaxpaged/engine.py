@@ -149,7 +149,8 @@ class LLMEngine:
         mc, cc, sc = config.model, config.cache, config.scheduler
         tp = config.parallel.tensor_parallel_size
         mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
-        matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size)
+        matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size,
+                                        quantized=config.quantization == "gguf")
         if config.cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "xla"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

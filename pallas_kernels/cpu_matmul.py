@@ -59,6 +59,13 @@ def native_matmul_available() -> bool:
     return register_cpu_targets(_LIBRARY, {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"})
 
 
+@functools.cache
+def native_matmul_vectorized() -> bool:
+    """Whether the native matmul was built for AVX-512 vectors (``setup.py`` targets the building
+    machine's CPU); False for the portable loops of a CPU without it, or without the kernel."""
+    return native_matmul_available() and bool(load_library(_LIBRARY).JaxpagedMatmulVectorized())
+
+
 def use_amx(enable: bool | None = None) -> bool:
     """Whether bfloat16 products run on AMX tiles (Intel Sapphire Rapids and later: the CPU has
     AMX-BF16 and Linux grants this process the tile state). ``enable`` switches it for the process

@@ -24,18 +24,23 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
     return "cpu" if supported and native_kernel_available() else "xla"
 
 
-def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, num_devices: int = 1) -> str:
+def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, num_devices: int = 1,
+                           quantized: bool = False) -> str:
     """``auto`` becomes ``cpu`` (the native CPU matmul) on one CPU device when it was built and
     supports ``dtype`` (float32, bfloat16), else ``xla``; an explicit ``cpu`` that cannot run is a
-    ``ValueError``."""
-    from pallas_kernels.cpu_matmul import native_matmul_available
+    ``ValueError``. Built without AVX-512 (portable loops), the native matmul is slower than XLA's
+    dot in float32 (not in bfloat16, which XLA's CPU backend converts around every op), so ``auto``
+    takes ``xla`` there, unless ``quantized`` weights are asked for (only the native matmul runs them)."""
+    from pallas_kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
     platform = platform or jax.default_backend()
     problem = (f"the platform is {platform}" if platform != "cpu" else
                f"the model is split over {num_devices} devices" if num_devices > 1 else
                f"it does not take {jnp.dtype(dtype)}" if dtype is not None and jnp.dtype(dtype) not in NATIVE_DTYPES else
                "it was not built (no C++ compiler at install time?)" if not native_matmul_available() else None)
     if name == "auto":
-        return "xla" if problem else "cpu"
+        slower = (not quantized and (dtype is None or jnp.dtype(dtype) == jnp.float32)
+                  and not native_matmul_vectorized())
+        return "xla" if problem or slower else "cpu"
     if name == "cpu" and problem:
         raise ValueError(f"matmul_backend='cpu' (the native CPU matmul) cannot run here: {problem}; use 'xla' or 'auto'.")
     return name

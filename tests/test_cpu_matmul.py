@@ -305,3 +305,18 @@ def test_bfloat16_on_amx_tiles_and_on_vectors(m, k, n, out_dtype):
         np.testing.assert_array_equal(vectors, tiles)
     elif out_dtype == jnp.float32:    # float32 sums in another order differ somewhere: the tiles did run
         assert not np.array_equal(vectors, tiles)
+
+
+def test_auto_backend_takes_xla_for_float32_dense_weights_without_avx512(monkeypatch):
+    """Built without AVX-512 the native matmul is portable loops, slower than XLA's dot in float32:
+    ``auto`` then takes XLA for dense float32 weights, and the native matmul for bfloat16 and for
+    quantized weights (which only it runs); an explicit choice is kept."""
+    from pallas_kernels import cpu_matmul, resolve_matmul_backend
+
+    for vectorized in (True, False):
+        monkeypatch.setattr(cpu_matmul, "native_matmul_vectorized", lambda: vectorized)
+        assert resolve_matmul_backend("auto", "cpu", jnp.float32) == ("cpu" if vectorized else "xla")
+        assert resolve_matmul_backend("auto", "cpu", jnp.float32, quantized=True) == "cpu"
+        assert resolve_matmul_backend("auto", "cpu", jnp.bfloat16) == "cpu"
+        assert resolve_matmul_backend("cpu", "cpu", jnp.float32) == "cpu"
+        assert resolve_matmul_backend("auto", "cpu", jnp.float32, num_devices=2) == "xla"

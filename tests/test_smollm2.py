@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from pallas_kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
 from test_engine_equivalence import assert_matches_hf
 from tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow
+needs_native_matmul = pytest.mark.skipif(not native_matmul_available(), reason="native CPU matmul not built")
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.",
              "Explain in one sentence why the sky is blue, please, for a child of five years old.",
@@ -43,27 +45,44 @@ def test_greedy_matches_transformers(engine_args, prompts, reference):
     assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
 
 
-@pytest.mark.parametrize("dtype,quantizations", [("float32", ("auto", "none")),
-                                                  ("bfloat16", ("gguf", "none", "auto"))])
-def test_quantized_weights_give_bit_identical_results(prompts, dtype, quantizations):
-    """The Q4_1 projections and the Q8_0 embedding (the tied LM head) run as quantized weights by
-    default in float32, and with quantization="gguf" in bfloat16 too; they rebuild the dequantized
-    weights exactly (in bfloat16, rounded as the dequantized weights are) and sum in the same order,
-    so tokens and logprobs equal those of quantization="none" to the last bit. In bfloat16 "auto"
-    keeps the dense weights."""
+def _matrix_dtypes(llm) -> list[str]:
+    import jax.tree_util as tu
+    return sorted({str(a.dtype) for a in tu.tree_leaves(llm.engine.runner.model.params) if a.ndim >= 2})
+
+
+@needs_native_matmul
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_weights_give_bit_identical_results(prompts, dtype):
+    """On the native matmul, the Q4_1 projections and the Q8_0 embedding (the tied LM head) run as
+    quantized weights with quantization="gguf"; they rebuild the dequantized weights exactly (in
+    bfloat16, rounded as the dequantized weights are) and sum in the same order, so tokens and
+    logprobs equal those of quantization="none" to the last bit."""
     import jax.numpy as jnp
     import jax.tree_util as tu
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     results, kinds = [], []
-    for quantization in quantizations:
-        llm = LLM(quantization=quantization, dtype=dtype, precompile=False, max_num_seqs=4)
-        kinds.append(sorted({str(a.dtype) for a in tu.tree_leaves(llm.engine.runner.model.params) if a.ndim >= 2}))
+    for quantization in ("gguf", "none"):
+        llm = LLM(quantization=quantization, dtype=dtype, matmul_backend="cpu", precompile=False, max_num_seqs=4)
+        kinds.append(_matrix_dtypes(llm))
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)])
         num_quantized = sum(a.dtype == jnp.uint8 for a in tu.tree_leaves(llm.engine.runner.model.params))
-        assert num_quantized == (30 * 4 + 1 if kinds[-1] == [dtype, "uint8"] else 0)
-    assert kinds == [[dtype, "uint8"]] + [[dtype]] * (len(quantizations) - 1)
-    assert all(r == results[0] for r in results[1:])
+        assert num_quantized == (30 * 4 + 1 if quantization == "gguf" else 0)
+    assert kinds == [[dtype, "uint8"], [dtype]]
+    assert results[0] == results[1]
+
+
+@needs_native_matmul
+def test_auto_runs_the_weights_where_they_are_fastest():
+    """The defaults: in float32 the quantized weights on the native matmul when it was built for
+    AVX-512 (what this CPU has: setup.py builds for it), else XLA's dot on the dense weights; in
+    bfloat16 the dense weights on the native matmul either way."""
+    avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    assert native_matmul_vectorized() == avx512
+    float32 = ("cpu", ["float32", "uint8"]) if avx512 else ("xla", ["float32"])
+    for dtype, expected in (("float32", float32), ("bfloat16", ("cpu", ["bfloat16"]))):
+        llm = LLM(dtype=dtype, precompile=False, max_num_seqs=4)
+        assert (llm.engine.runner.model.module.matmul_backend, _matrix_dtypes(llm)) == expected
 
 
 def test_cli_generate_prints_completion():

@@ -883,3 +883,13 @@ extern "C" int JaxpagedMatmulAmx(int enable) {
   return 0;
 #endif
 }
+
+// 1 if the micro-kernels were compiled for AVX-512 vectors, 0 if they are the portable loops
+// (a build machine without AVX-512), which XLA's own dot outruns in float32.
+extern "C" int JaxpagedMatmulVectorized() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
