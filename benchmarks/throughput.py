@@ -54,6 +54,19 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
             "preemptions": e.scheduler.num_preemptions}
 
 
+def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
+    """(dtype, quantization) of one run per distinct engine: per dtype, the matmul backend ``auto``
+    takes and whether it runs quantized blocks (the first quantization naming each)."""
+    from pallas_kernels import resolve_matmul_backend
+
+    kept: dict[tuple, tuple[str, str]] = {}
+    for d in dtypes:
+        for q in quantizations:
+            matmul = resolve_matmul_backend("auto", dtype=d, quantized=q == "gguf")
+            kept.setdefault((d, matmul, matmul == "cpu" and keeps_quantized_blocks(q, d)), (d, q))
+    return list(kept.values())
+
+
 def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> dict:
     """Static batching: each batch is left-padded to its longest prompt and generates until its
     longest output; only the requested output tokens count as useful."""
@@ -138,14 +151,7 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     rows, runs = [], []
     quantizations = args.quantization.split(",")
-    # One run per distinct engine: per dtype, the matmul backend and whether it runs quantized blocks.
-    from pallas_kernels import resolve_matmul_backend
-    kept = {}
-    for d in dtypes:
-        for q in quantizations:
-            matmul = resolve_matmul_backend("auto", dtype=d, quantized=q == "gguf")
-            kept.setdefault((d, matmul, matmul == "cpu" and keeps_quantized_blocks(q, d)), q)
-    for (dtype, _), quantization in kept.items():
+    for dtype, quantization in distinct_engines(dtypes, quantizations):
         engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
                            kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching,

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import memory, overhead, profile, serving  # noqa: E402
+from benchmarks import memory, overhead, profile, serving, throughput  # noqa: E402
 from benchmarks.workload import synthetic  # noqa: E402
 from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind  # noqa: E402
 
@@ -200,3 +200,17 @@ def test_profile_shares_overlapping_ops_and_maps_hlo_names():
     # 0-2 ms matmul alone, 2-4 ms both (1 ms each), 4-6 ms the add alone: 3 + 3 = 6 ms busy.
     assert by_kind == {"matmul (native)": 3.0, "other": 3.0}
     assert launches == 2
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monkeypatch):
+    """float32 "auto" and "gguf" are the same engine where the native matmul is built for AVX-512
+    (quantized weights on it), "auto" and "none" the same elsewhere (XLA's dot on dense weights);
+    bfloat16 "auto" and "none" always are."""
+    from pallas_kernels import cpu_matmul
+    if not cpu_matmul.native_matmul_available():
+        pytest.skip("native CPU matmul not built")
+    monkeypatch.setattr(cpu_matmul, "native_matmul_vectorized", lambda: vectorized)
+    runs = throughput.distinct_engines(["float32", "bfloat16"], ["auto", "gguf", "none"])
+    float32 = [("float32", "auto"), ("float32", "none" if vectorized else "gguf")]
+    assert runs == float32 + [("bfloat16", "auto"), ("bfloat16", "gguf")]
