@@ -69,11 +69,17 @@ inline Vec Round(Vec v, uint16_t) {
 #else
 template <typename T>
 inline void Store16(T* p, Vec v, Mask m) {
+  float x[kLanes];
+  Store(x, v);
   for (int i = 0; i < kLanes; ++i)
-    if (m >> i & 1) p[i] = FromF32<T>(v.v[i]);
+    if (m >> i & 1) p[i] = FromF32<T>(x[i]);
 }
 template <typename T>
-inline Vec Round(Vec v, T) { return Map([&](int i) { return Round<T>(v.v[i]); }); }
+inline Vec Round(Vec v, T) {
+  float x[kLanes];
+  Store(x, v);
+  return Map([&](int i) { return Round<T>(x[i]); });
+}
 #endif
 
 template <typename T>
