@@ -28,7 +28,8 @@ that a device step running on the same two cores adds to the other phases.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
-streams them, and ``CUMULATIVE`` ones (the Python API's default). Every timed step is checked to be a pure decode step of all requests.
+streams them, and ``CUMULATIVE`` ones (the Python API's default). Every timed step is checked to be
+a pure decode step of all requests.
 
 ``python -m benchmarks.overhead [--batch-sizes 16,64,256] [--steps 30]``
 """

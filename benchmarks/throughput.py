@@ -57,13 +57,14 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
 def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
     """(dtype, quantization) of one run per distinct engine: per dtype, the matmul backend ``auto``
     takes and whether it runs quantized blocks (the first quantization naming each)."""
+    from models.decoder import runs_quantized
     from pallas_kernels import resolve_matmul_backend
 
     kept: dict[tuple, tuple[str, str]] = {}
     for d in dtypes:
         for q in quantizations:
             matmul = resolve_matmul_backend("auto", dtype=d, quantized=q == "gguf")
-            kept.setdefault((d, matmul, matmul == "cpu" and keeps_quantized_blocks(q, d)), (d, q))
+            kept.setdefault((d, matmul, runs_quantized(matmul) and keeps_quantized_blocks(q, d)), (d, q))
     return list(kept.values())
 
 

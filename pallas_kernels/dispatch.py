@@ -38,8 +38,8 @@ def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, n
                f"it does not take {jnp.dtype(dtype)}" if dtype is not None and jnp.dtype(dtype) not in NATIVE_DTYPES else
                "it was not built (no C++ compiler at install time?)" if not native_matmul_available() else None)
     if name == "auto":
-        slower = (not quantized and (dtype is None or jnp.dtype(dtype) == jnp.float32)
-                  and not native_matmul_vectorized())
+        float32 = dtype is None or jnp.dtype(dtype) == jnp.float32
+        slower = float32 and not quantized and not native_matmul_vectorized()
         return "xla" if problem or slower else "cpu"
     if name == "cpu" and problem:
         raise ValueError(f"matmul_backend='cpu' (the native CPU matmul) cannot run here: {problem}; use 'xla' or 'auto'.")

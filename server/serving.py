@@ -1,10 +1,9 @@
 """The completion and chat endpoints: requests -> engine requests -> OpenAI responses or SSE.
 
 A completion with several prompts is one engine request per prompt; choice ``i * n + j`` is
-prompt ``i``'s ``j``-th sample. A streamed request's engine outputs are deltas
-(what is new since the previous one, merged by the stream when the reader falls behind);
-concatenated they equal the non-streamed text, for which the engine hands over only the final
-output. Every engine request is
+prompt ``i``'s ``j``-th sample. A streamed request's engine outputs are deltas (what is new since
+the previous one, merged by the stream when the reader falls behind); concatenated they equal the
+non-streamed text, for which the engine hands over only the final output. Every engine request is
 aborted (its KV blocks freed) as soon as its HTTP request goes away, and logged and counted in the
 metrics when it ends.
 """
