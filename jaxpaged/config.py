@@ -21,7 +21,7 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged")
 
 def keeps_quantized_blocks(quantization: str, dtype: str) -> bool:
     """Whether a GGUF's quantized matrices run as such, if the native CPU matmul runs the model
-    (``resolve_matmul_backend``: in float32 only when it was built for AVX-512, unless ``gguf``), for
+    (``resolve_matmul_backend``: in float32 only when it was built for AVX-512 or AVX2, unless ``gguf``), for
     these engine arguments. ``auto`` keeps them where they run faster than dense weights, in float32; in
     bfloat16 the dense weights (2 bytes) stream fast enough that rebuilding each weight costs more
     than it saves except at 1-4 rows, so only ``gguf`` keeps them there (for the memory)."""
@@ -62,12 +62,12 @@ class EngineArgs:
     matmul_backend: str = _arg("auto", f"Dense projections, one of {MATMUL_BACKENDS}: auto = on one CPU device the "
                                "native C++ matmul (cpu; weights packed once at load; bfloat16 on AMX tiles or AVX512-BF16 where the "
                                "CPU has them) "
-                               "if it was built at install (in float32 only if built for AVX-512: its portable loops are "
+                               "if it was built at install (in float32 only if built for AVX-512 or AVX2: its portable loops are "
                                "slower than XLA's dot), else XLA's dot (xla).")
     quantization: str = _arg("auto", f"Weights kept quantized, one of {QUANTIZATIONS}: auto = a GGUF's Q4_0 / Q4_1 / "
                              "Q8_0 projections stay in their blocks (a fifth of the bytes, results bit-identical "
                              "to the dequantized weights) where the native CPU matmul runs them faster: in "
-                             "float32, when it was built for AVX-512; gguf = in bfloat16 too (a third of the bytes: least memory, faster at "
+                             "float32, when it was built for AVX-512 or AVX2; gguf = in bfloat16 too (a third of the bytes: least memory, faster at "
                              "1-4 rows, slower at larger batches); none = every weight dequantized to dtype.")
     tensor_parallel_size: int = _arg(1, "Devices one engine's model is split over by attention heads (and MLP "
                                      "width, vocabulary); must divide the model's query heads.")

@@ -61,8 +61,9 @@ def native_matmul_available() -> bool:
 
 @functools.cache
 def native_matmul_vectorized() -> bool:
-    """Whether the native matmul was built for AVX-512 vectors (``setup.py`` targets the building
-    machine's CPU); False for the portable loops of a CPU without it, or without the kernel."""
+    """Whether the native matmul was built for AVX-512 or AVX2 + FMA vectors (``setup.py`` targets
+    the building machine's CPU); False for the portable loops of a CPU with neither, or without the
+    kernel."""
     return native_matmul_available() and bool(load_library(_LIBRARY).JaxpagedMatmulVectorized())
 
 

@@ -28,9 +28,10 @@ def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, n
                            quantized: bool = False) -> str:
     """``auto`` becomes ``cpu`` (the native CPU matmul) on one CPU device when it was built and
     supports ``dtype`` (float32, bfloat16), else ``xla``; an explicit ``cpu`` that cannot run is a
-    ``ValueError``. Built without AVX-512 (portable loops), the native matmul is slower than XLA's
-    dot in float32 (not in bfloat16, which XLA's CPU backend converts around every op), so ``auto``
-    takes ``xla`` there, unless ``quantized`` weights are asked for (only the native matmul runs them)."""
+    ``ValueError``. Built without AVX-512 or AVX2 + FMA (portable loops), the native matmul is
+    slower than XLA's dot in float32 (not in bfloat16, which XLA's CPU backend converts around every
+    op), so ``auto`` takes ``xla`` there, unless ``quantized`` weights are asked for (only the
+    native matmul runs them)."""
     from pallas_kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
     platform = platform or jax.default_backend()
     problem = (f"the platform is {platform}" if platform != "cpu" else

@@ -204,7 +204,7 @@ def test_profile_shares_overlapping_ops_and_maps_hlo_names():
 
 @pytest.mark.parametrize("vectorized", [True, False])
 def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monkeypatch):
-    """float32 "auto" and "gguf" are the same engine where the native matmul is built for AVX-512
+    """float32 "auto" and "gguf" are the same engine where the native matmul is built for vectors
     (quantized weights on it), "auto" and "none" the same elsewhere (XLA's dot on dense weights);
     bfloat16 "auto" and "none" always are."""
     from pallas_kernels import cpu_matmul

@@ -307,8 +307,8 @@ def test_bfloat16_on_amx_tiles_and_on_vectors(m, k, n, out_dtype):
         assert not np.array_equal(vectors, tiles)
 
 
-def test_auto_backend_takes_xla_for_float32_dense_weights_without_avx512(monkeypatch):
-    """Built without AVX-512 the native matmul is portable loops, slower than XLA's dot in float32:
+def test_auto_backend_takes_xla_for_float32_dense_weights_without_vectors(monkeypatch):
+    """Built without AVX-512 or AVX2 the native matmul is portable loops, slower than XLA's dot in float32:
     ``auto`` then takes XLA for dense float32 weights, and the native matmul for bfloat16 and for
     quantized weights (which only it runs); an explicit choice is kept."""
     from pallas_kernels import cpu_matmul, resolve_matmul_backend

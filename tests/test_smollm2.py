@@ -75,11 +75,12 @@ def test_quantized_weights_give_bit_identical_results(prompts, dtype):
 @needs_native_matmul
 def test_auto_runs_the_weights_where_they_are_fastest():
     """The defaults: in float32 the quantized weights on the native matmul when it was built for
-    AVX-512 (what this CPU has: setup.py builds for it), else XLA's dot on the dense weights; in
+    AVX-512 or AVX2 + FMA (setup.py builds for this CPU), else XLA's dot on the dense weights; in
     bfloat16 the dense weights on the native matmul either way."""
-    avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
-    assert native_matmul_vectorized() == avx512
-    float32 = ("cpu", ["float32", "uint8"]) if avx512 else ("xla", ["float32"])
+    flags = set(open("/proc/cpuinfo").read().split())
+    vectorized = "avx512f" in flags or {"avx2", "fma"} <= flags
+    assert native_matmul_vectorized() == vectorized
+    float32 = ("cpu", ["float32", "uint8"]) if vectorized else ("xla", ["float32"])
     for dtype, expected in (("float32", float32), ("bfloat16", ("cpu", ["bfloat16"]))):
         llm = LLM(dtype=dtype, precompile=False, max_num_seqs=4)
         assert (llm.engine.runner.model.module.matmul_backend, _matrix_dtypes(llm)) == expected

@@ -5,43 +5,23 @@ machine's variant, so this is where the others are checked (each where the CPU r
 
 from __future__ import annotations
 
-import os
-import platform
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-CXX = os.environ.get("CXX", "c++")
-VARIANTS = {"avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-                       {"avx512f", "avx512bw", "avx512vl"}),
-            "avx2": (["-mavx2", "-mfma", "-mno-avx512f"], {"avx2", "fma"}),
-            "portable": (["-mno-avx2", "-mno-fma", "-mno-avx512f"], set())}
+from native_variants import CSRC, CXX, ROOT, cpu_flags, needs_x86_compiler, runnable_variants
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which(CXX) is None,
-                                reason="needs an x86-64 CPU and a C++ compiler")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+pytestmark = needs_x86_compiler
 
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     """{variant: {check: values}} for every variant this CPU runs."""
-    flags, out = _cpu_flags(), {}
-    for name, (target, needs) in VARIANTS.items():
-        if not needs <= flags:
-            continue
+    out = {}
+    for name, target in runnable_variants().items():
         exe = tmp_path_factory.mktemp(name) / "vec16_check"
-        subprocess.run([CXX, "-std=c++17", "-O2", "-ffp-contract=off", *target, f"-I{ROOT / 'pallas_kernels' / 'csrc'}",
+        subprocess.run([CXX, "-std=c++17", "-O2", "-ffp-contract=off", *target, f"-I{CSRC}",
                         str(ROOT / "tests" / "csrc" / "vec16_check.cc"), "-o", str(exe)], check=True)
         checks: dict[str, list] = {}
         for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines():
@@ -53,7 +33,7 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
 
 
 def test_every_variant_matches_numpy(outputs):
-    assert "portable" in outputs and ("avx2" in outputs) == ({"avx2", "fma"} <= _cpu_flags())
+    assert "portable" in outputs and ("avx2" in outputs) == ({"avx2", "fma"} <= cpu_flags())
     for name, o in outputs.items():
         x = o["inputs"].reshape(16, 16).astype(np.float64)
         edges = o["edges"].astype(np.float64)

@@ -11,13 +11,14 @@
 //             elements. Columns past N are zero.
 // x is read in place (row-major): a bfloat16 pair (x[r, 2q], x[r, 2q+1]) is one 32-bit word.
 //
-// A micro-kernel keeps an R x 32 tile of out in 2R vector registers (R <= kMR = 12) and walks K
-// once: per k (per pair for bfloat16) it loads one panel row (two vectors) and broadcasts one
+// A micro-kernel keeps an R x 32 tile of out in 2R vector registers (AVX-512: R <= kMR = 12; AVX2
+// covers the tile as two 16-column halves, R <= 6, see there; CPUs with neither run plain loops) and
+// walks K once: per k (per pair for bfloat16) it loads one panel row (two vectors) and broadcasts one
 // value (pair) from each of its R rows of x. A unit of work is one panel for one block of rows,
 // in near-equal row groups of at most kMR: with few rows there is one row block and each weight
 // panel is streamed from memory exactly once, for all rows; with many rows the row blocks are
 // sized to stay in L2, and a panel stays in L2 across the row groups of its unit. Units are spread
-// over XLA's intra-op thread pool (see RunGemm). Accumulation is in float32; bfloat16 results are
+// over XLA's intra-op thread pool (see RunUnits). Accumulation is in float32; bfloat16 results are
 // rounded to nearest even, unless the caller asks for float32 out (bfloat16 x and weight).
 //
 // A second target (JaxpagedMatmulQuantCpu) takes the weight as GGUF-style affine blocks,
@@ -44,6 +45,11 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#define JAXPAGED_MATMUL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXPAGED_MATMUL_AVX2 1
+#endif
+#if defined(JAXPAGED_MATMUL_AVX512) || defined(JAXPAGED_MATMUL_AVX2)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
@@ -61,7 +67,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNR = 32;                    // columns per weight panel
+#if defined(JAXPAGED_MATMUL_AVX2)
+constexpr int kMR = 6;                         // most rows per micro-kernel call (16 registers)
+#else
 constexpr int kMR = 12;                        // most rows per micro-kernel call
+#endif
 constexpr int64_t kRowBlockBytes = 448 << 10;  // rows of x per row block (kept in L2)
 constexpr int64_t kMaxPanelsPerRun = 16;       // most units a worker claims at once
 constexpr int64_t kPrefetchRows = 8;           // panel rows (pair rows) prefetched ahead into L1,
@@ -69,9 +79,11 @@ constexpr int64_t kStreamPrefetchRows = 32;    // or this many when streaming fr
 constexpr int64_t kAheadGroups = 4;            // up to this many row groups prefetch the next panel
 constexpr int64_t kPrefetchMinRows = 5;        // fewer rows: no software prefetch at all
 constexpr int64_t kQuantBlock = 32;            // k rows sharing one (scale, offset) per column
+#if defined(JAXPAGED_MATMUL_AVX512)
 constexpr int kQuantMR = 8;                    // most rows per quantized micro-kernel call,
 constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for:
 constexpr int64_t kQuantDirectRowsBf16 = 4;    // more rows make the bfloat16 rebuild the bottleneck
+#endif
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
 // it from L3 or memory and prefetches it into L1 some rows ahead (kNear); with few row groups
@@ -92,7 +104,38 @@ using jaxpaged::F32ToBf16;
 // Micro-kernels: out[R, cols] = a[R, k] (rows of x, stride lda) @ b (one panel), cols <= kNR,
 // out's row stride ldc.
 
-#if defined(__AVX512F__)
+inline void StoreValue(float* c, float v) { *c = v; }
+inline void StoreValue(uint16_t* c, float v) { *c = F32ToBf16(v); }
+
+// x's 32-bit word at (row r, pair q) of rows with stride lda (bfloat16 elements).
+inline uint32_t PairWord(const uint16_t* a, int64_t lda, int r, int64_t q) {
+  uint32_t w;
+  std::memcpy(&w, a + r * lda + 2 * q, sizeof(w));
+  return w;
+}
+
+#if defined(JAXPAGED_MATMUL_AVX512) || defined(JAXPAGED_MATMUL_AVX2)
+// Prefetches into L2, during the first steps of a micro-kernel, `lines` cache lines from `ahead`
+// (a slice of the next panel, so that streaming it overlaps this panel's arithmetic).
+inline void PrefetchAhead(const char* ahead, int64_t lines, int64_t step) {
+  if (2 * step < lines) {
+    _mm_prefetch(ahead + 128 * step, _MM_HINT_T1);
+    if (2 * step + 1 < lines) _mm_prefetch(ahead + 128 * step + 64, _MM_HINT_T1);
+  }
+}
+
+// Prefetches panel row (pair row) `row` into L1: its two 64-byte lines.
+template <int kPf>
+inline void PrefetchNear(const void* row) {
+  if constexpr ((kPf & kNear) != 0) {
+    const char* p = static_cast<const char*>(row) + NearRows<kPf>() * 128;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+}
+#endif
+
+#if defined(JAXPAGED_MATMUL_AVX512)
 
 inline __mmask16 ColumnMask(int64_t cols, int half) {
   const int64_t c = std::clamp<int64_t>(cols - 16 * half, 0, 16);
@@ -144,15 +187,6 @@ inline void StoreTile(__m512 (&acc)[R][2], uint16_t* c, int64_t ldc, int64_t col
   }
 }
 
-// Prefetches into L2, during the first steps of a micro-kernel, `lines` cache lines from `ahead`
-// (a slice of the next panel, so that streaming it overlaps this panel's arithmetic).
-inline void PrefetchAhead(const char* ahead, int64_t lines, int64_t step) {
-  if (2 * step < lines) {
-    _mm_prefetch(ahead + 128 * step, _MM_HINT_T1);
-    if (2 * step + 1 < lines) _mm_prefetch(ahead + 128 * step + 64, _MM_HINT_T1);
-  }
-}
-
 template <int R, int kPf>
 void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
               const char* ahead, int64_t ahead_lines) {
@@ -161,10 +195,7 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
 #pragma GCC unroll 2
   for (int64_t i = 0; i < k; ++i) {
     const float* bi = b + i * kNR;
-    if constexpr ((kPf & kNear) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(bi + NearRows<kPf>() * kNR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bi + NearRows<kPf>() * kNR + 16), _MM_HINT_T0);
-    }
+    PrefetchNear<kPf>(bi);
     if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, i);
     const __m512 b0 = _mm512_loadu_ps(bi), b1 = _mm512_loadu_ps(bi + 16);
     for (int r = 0; r < R; ++r) {
@@ -174,13 +205,6 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
     }
   }
   StoreTile<R>(acc, c, ldc, cols);
-}
-
-// x's 32-bit word at (row r, pair q) of rows with stride lda (bfloat16 elements).
-inline uint32_t PairWord(const uint16_t* a, int64_t lda, int r, int64_t q) {
-  uint32_t w;
-  std::memcpy(&w, a + r * lda + 2 * q, sizeof(w));
-  return w;
 }
 
 // One pair step: acc[r] += x.lo * w.lo + x.hi * w.hi per 32-bit lane (lane = one column), for the
@@ -218,10 +242,7 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* 
 #pragma GCC unroll 2
   for (int64_t q = 0; q < pairs; ++q) {
     const uint16_t* bq = b + q * 2 * kNR;
-    if constexpr ((kPf & kNear) != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(bq + NearRows<kPf>() * 2 * kNR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bq + NearRows<kPf>() * 2 * kNR + 32), _MM_HINT_T0);
-    }
+    PrefetchNear<kPf>(bq);
     if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, q);
     PairStep<R>(acc, [&](int r) { return PairWord(a, lda, r, q); }, _mm512_loadu_si512(bq),
                 _mm512_loadu_si512(bq + 32));
@@ -350,6 +371,155 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
   });
 }
 
+#elif defined(JAXPAGED_MATMUL_AVX2)
+// AVX2 + FMA: 16 vector registers of 8 floats, too few for an R x 32 tile. A call covers its tile as
+// two column halves, one after the other, each an R x 16 tile in 2R accumulators (R <= kMR = 6, plus
+// two weight vectors and a broadcast) walking K once; the first half prefetches whole panel rows,
+// so the second finds them in L1/L2. Each output's sum runs over k in order, one fused multiply-add
+// per k (per pair for bfloat16: the low product, then the high one), as the AVX-512 kernels'.
+
+// Stores an R x 16 tile whose first `cols` (clamped to 0..16) columns are real. (Through a
+// fully unrolled copy: GCC keeps the accumulators in registers only if no loop indexes them.)
+template <int R, typename O>
+inline void StoreHalf(__m256 (&acc)[R][2], O* c, int64_t ldc, int64_t cols) {
+  alignas(32) float tile[R][16];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(tile[r], acc[r][0]);
+    _mm256_store_ps(tile[r] + 8, acc[r][1]);
+  }
+  const int64_t n = std::clamp<int64_t>(cols, 0, 16);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) StoreValue(c + r * ldc + j, tile[r][j]);
+}
+
+// Columns 16h .. 16h + 15 of a float32 panel.
+template <int R, int kPf, int kHalf>
+void HalfF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+             const char* ahead, int64_t ahead_lines) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t i = 0; i < k; ++i) {
+    const float* bi = b + i * kNR;
+    PrefetchNear<kPf>(bi);
+    if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, i);
+    const __m256 b0 = _mm256_loadu_ps(bi + 16 * kHalf), b1 = _mm256_loadu_ps(bi + 16 * kHalf + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + r * lda + i);
+      acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+  StoreHalf<R>(acc, c + 16 * kHalf, ldc, cols - 16 * kHalf);
+}
+
+template <int R, int kPf>
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+              const char* ahead, int64_t ahead_lines) {
+  HalfF32<R, kPf, 0>(a, lda, b, k, c, ldc, cols, ahead, ahead_lines);
+  if (cols > 16) HalfF32<R, 0, 1>(a, lda, b, k, c, ldc, cols, nullptr, 0);
+}
+
+// A pair word's two bfloat16 halves as float32 lanes: (low, high).
+inline __m256 PairLow(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 PairHigh(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// Columns 16h .. 16h + 15 of a bfloat16 panel, for rows at most 3 (the pairs' low and high weights
+// take four registers more than float32's).
+template <int R, int kPf, int kHalf, typename O>
+void HalfBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc, int64_t cols,
+              const char* ahead, int64_t ahead_lines) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint16_t* bq = b + q * 2 * kNR;
+    PrefetchNear<kPf>(bq);
+    if constexpr ((kPf & kAhead) != 0) PrefetchAhead(ahead, ahead_lines, q);
+    const auto* words = reinterpret_cast<const __m256i*>(bq + 32 * kHalf);
+    const __m256i w0 = _mm256_loadu_si256(words), w1 = _mm256_loadu_si256(words + 1);
+    const __m256 l0 = PairLow(w0), h0 = PairHigh(w0), l1 = PairLow(w1), h1 = PairHigh(w1);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_set1_epi32(static_cast<int>(PairWord(a, lda, r, q)));
+      const __m256 al = PairLow(x), ah = PairHigh(x);
+      acc[r][0] = _mm256_fmadd_ps(ah, h0, _mm256_fmadd_ps(al, l0, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(ah, h1, _mm256_fmadd_ps(al, l1, acc[r][1]));
+    }
+  }
+  if (k % 2) {  // the plain last row (odd K)
+    const auto* row = reinterpret_cast<const __m128i*>(b + pairs * 2 * kNR + 16 * kHalf);
+    const __m256 l0 = PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(row)));
+    const __m256 l1 = PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(row + 1)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 al = _mm256_set1_ps(Bf16ToF32(a[r * lda + k - 1]));
+      acc[r][0] = _mm256_fmadd_ps(al, l0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(al, l1, acc[r][1]);
+    }
+  }
+  StoreHalf<R>(acc, c + 16 * kHalf, ldc, cols - 16 * kHalf);
+}
+
+// Up to kMR rows as at most two calls of at most 3 rows per half.
+template <int R, int kPf, int kHalf, typename O>
+void RowsBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc, int64_t cols,
+              const char* ahead, int64_t ahead_lines) {
+  constexpr int kFirst = R <= 3 ? R : (R + 1) / 2;
+  HalfBf16<kFirst, kPf, kHalf>(a, lda, b, k, c, ldc, cols, ahead, ahead_lines);
+  if constexpr (R > kFirst) HalfBf16<R - kFirst, 0, kHalf>(a + kFirst * lda, lda, b, k, c + kFirst * ldc, ldc, cols,
+                                                           nullptr, 0);
+}
+
+template <int R, int kPf, typename O>
+void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc,
+               int64_t cols, const char* ahead, int64_t ahead_lines) {
+  RowsBf16<R, kPf, 0>(a, lda, b, k, c, ldc, cols, ahead, ahead_lines);
+  if (cols > 16) RowsBf16<R, 0, 1>(a, lda, b, k, c, ldc, cols, nullptr, 0);
+}
+
+// Quantized panel row i, columns 16h + 8v .. 16h + 8v + 7, rebuilt (code * scale + offset, one
+// rounding).
+template <int kBits>
+inline __m256 RebuiltEight(const uint8_t* codes, const float* qparams, int64_t i, int h, int v) {
+  const float* qp = qparams + (i / kQuantBlock) * 2 * kNR + 16 * h + 8 * v;
+  __m256i q;
+  if constexpr (kBits == 4) {  // byte j: column j (low nibble), column j + 16 (high nibble)
+    const auto* ci = reinterpret_cast<const __m128i*>(codes + i * 16 + 8 * v);
+    q = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ci)), 4 * h);
+    q = _mm256_and_si256(q, _mm256_set1_epi32(0xf));
+  } else {
+    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * 32 + 16 * h + 8 * v)));
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(qp), _mm256_loadu_ps(qp + kNR));
+}
+
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* panel) {
+  for (int64_t i = 0; i < k; ++i)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(panel + i * kNR + 8 * v, RebuiltEight<kBits>(codes, qparams, i, v / 2, v % 2));
+}
+
+// Rounded to bfloat16 (nearest even; the rebuilt weights are finite) and paired: per column the
+// word (bf16(row 2q), bf16(row 2q + 1)), as pack_weight lays the dequantized weight out.
+template <int kBits>
+void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_t* panel) {
+  const auto rounded = [](__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  };
+  for (int64_t q = 0; q < k / 2; ++q)
+    for (int v = 0; v < 4; ++v) {
+      const __m256i lo = rounded(RebuiltEight<kBits>(codes, qparams, 2 * q, v / 2, v % 2));
+      const __m256i hi = rounded(RebuiltEight<kBits>(codes, qparams, 2 * q + 1, v / 2, v % 2));
+      const __m256i words = _mm256_or_si256(_mm256_srli_epi32(lo, 16),
+                                            _mm256_and_si256(hi, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + q * 2 * kNR + 16 * v), words);
+    }
+}
+
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
 
 template <int R, int>
@@ -364,9 +534,6 @@ void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, 
     }
   for (int r = 0; r < R; ++r) std::memcpy(c + r * ldc, acc[r], cols * sizeof(float));
 }
-
-inline void StoreValue(float* c, float v) { *c = v; }
-inline void StoreValue(uint16_t* c, float v) { *c = F32ToBf16(v); }
 
 template <int R, int, typename O>
 void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* c, int64_t ldc,
@@ -412,22 +579,6 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
       for (int64_t h = 0; h < 2; ++h) panel[q * 2 * kNR + 2 * j + h] = F32ToBf16(rows[(2 * q + h) * kNR + j]);
 }
 
-template <int R, int kBits>
-void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
-                   int64_t ldc, int64_t cols) {
-  std::vector<float> panel(k * kNR);
-  RebuildPanel<kBits>(codes, qparams, k, panel.data());
-  MicroF32<R, 0>(a, lda, panel.data(), k, c, ldc, cols, nullptr, 0);
-}
-
-template <int R, int kBits, typename O>
-void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, O* c,
-                    int64_t ldc, int64_t cols) {
-  std::vector<uint16_t> panel(k * kNR);
-  RebuildPanel<kBits>(codes, qparams, k, panel.data());
-  MicroBf16<R, 0, O>(a, lda, panel.data(), k, c, ldc, cols, nullptr, 0);
-}
-
 #endif
 
 // The micro-kernels of one input dtype T and output dtype O (T, or float32 for bfloat16 inputs),
@@ -454,6 +605,7 @@ constexpr std::array<std::array<MicroFn<T, O>, kMR>, kPrefetchModes> MicroTables
   return {MicroTable<T, O, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
 }
 
+#if defined(JAXPAGED_MATMUL_AVX512)
 template <int R, int kBits, typename T, typename O>
 constexpr auto MicroQuantFor() {
   if constexpr (std::is_same_v<T, float>) {
@@ -468,7 +620,7 @@ constexpr auto QuantTable(std::index_sequence<R...>) {
   using QuantFn = void (*)(const T*, int64_t, const uint8_t*, const float*, int64_t, O*, int64_t, int64_t);
   return std::array<QuantFn, sizeof...(R)>{MicroQuantFor<static_cast<int>(R) + 1, kBits, T, O>()...};
 }
-
+#endif
 
 #if defined(JAXPAGED_AMX)
 // ---------------------------------------------------------------------------------------------
@@ -740,17 +892,15 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
 }
 
 // out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes], x float32 or bfloat16 (T), out T or
-// float32 (O). Units as the dense Gemm's (row block, panel); a unit of few rows rebuilds the weights
-// in registers as it goes (the codes are all it reads), one of more rows rebuilds its panel once
-// into the dense layout in cache (thread-local) and runs the dense kernels on it. Either way each
+// float32 (O). Units as the dense Gemm's (row block, panel); with AVX-512 a unit of few rows rebuilds
+// the weights in registers as it goes (the codes are all it reads), any other unit rebuilds its panel
+// once into the dense layout in cache (thread-local) and runs the dense kernels on it. Either way each
 // output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
 // pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
 // Gemm's do. False if the problem is too large.
 template <int kBits, typename T, typename O, typename Pool>
 bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
-  static constexpr auto kDirect = QuantTable<kBits, T, O>(std::make_index_sequence<kQuantMR>());
   static constexpr auto kDense = MicroTables<T, O>(std::make_index_sequence<kPrefetchModes>());
-  constexpr int64_t kDirectRows = std::is_same_v<T, float> ? kQuantDirectRows : kQuantDirectRowsBf16;
   if (m == 0 || n == 0) return true;
   const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
   if (plan.units >= (int64_t{1} << 31)) return false;
@@ -764,12 +914,15 @@ bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64
     const int64_t cols = std::min(kNR, n - panel * kNR);
     const T* a = x + row0 * k;
     O* c = out + row0 * n + panel * kNR;
-    if (rows <= kDirectRows) {
+#if defined(JAXPAGED_MATMUL_AVX512)
+    static constexpr auto kDirect = QuantTable<kBits, T, O>(std::make_index_sequence<kQuantMR>());
+    if (rows <= (std::is_same_v<T, float> ? kQuantDirectRows : kQuantDirectRowsBf16)) {
       ForEachRowGroup<kQuantMR>(rows, [&](int64_t r0, int64_t r) {
         kDirect[r - 1](a + r0 * k, k, codes, qparams, k, c + r0 * n, n, cols);
       });
       return;
     }
+#endif
     thread_local std::vector<T> rebuilt;
     if (static_cast<int64_t>(rebuilt.size()) < k * kNR) rebuilt.resize(k * kNR);
     RebuildPanel<kBits>(codes, qparams, k, rebuilt.data());
@@ -884,10 +1037,10 @@ extern "C" int JaxpagedMatmulAmx(int enable) {
 #endif
 }
 
-// 1 if the micro-kernels were compiled for AVX-512 vectors, 0 if they are the portable loops
-// (a build machine without AVX-512), which XLA's own dot outruns in float32.
+// 1 if the micro-kernels were compiled for AVX-512 or AVX2 + FMA vectors, 0 if they are the portable
+// loops (a build machine without either), which XLA's own dot outruns in float32.
 extern "C" int JaxpagedMatmulVectorized() {
-#if defined(__AVX512F__)
+#if defined(JAXPAGED_MATMUL_AVX512) || defined(JAXPAGED_MATMUL_AVX2)
   return 1;
 #else
   return 0;
