@@ -87,6 +87,10 @@ constexpr int64_t kQuantBlock = 32;            // k rows sharing one (scale, off
 constexpr int kQuantMR = 8;                    // most rows per quantized micro-kernel call,
 constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for:
 constexpr int64_t kQuantDirectRowsBf16 = 4;    // more rows make the bfloat16 rebuild the bottleneck
+#elif defined(JAXPAGED_MATMUL_AVX2)              // (1 row 1.6x, 2 rows 1.2x faster than a rebuilt panel,
+constexpr int kQuantMR = 2;                    // 4 rows 0.9x; bfloat16 pairs would take AVX2 too many
+constexpr int64_t kQuantDirectRows = 2;        // registers)
+constexpr int64_t kQuantDirectRowsBf16 = 0;
 #endif
 
 // Software prefetch modes of a micro-kernel call (bit flags). The first row group of a panel reads
@@ -483,6 +487,61 @@ void MicroBf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t k, O* 
   if (cols > 16) RowsBf16<R, 0, 1>(a, lda, b, k, c, ldc, cols, nullptr, 0);
 }
 
+// The 16 codes of quantized panel row i for columns 16h .. 16h + 15 as two vectors of 8 integers.
+template <int kBits, int kHalf>
+inline void HalfCodes(const uint8_t* codes, int64_t i, __m256i& q0, __m256i& q1) {
+  __m128i bytes;
+  if constexpr (kBits == 4) {  // byte j: column j (low nibble), column j + 16 (high nibble)
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16));
+    if constexpr (kHalf == 1) bytes = _mm_srli_epi16(bytes, 4);
+    bytes = _mm_and_si128(bytes, _mm_set1_epi8(0xf));
+  } else {
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 32 + 16 * kHalf));
+  }
+  q0 = _mm256_cvtepu8_epi32(bytes);
+  q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+}
+
+// Few rows, float32: columns 16h .. 16h + 15 with the weights rebuilt in registers as they are used
+// (the codes are all a unit reads), in at most kQuantMR rows: the same weights (RebuiltEight's one rounding) and
+// the same sums in the same order as the dense kernel on the rebuilt panel.
+template <int R, int kBits, int kHalf>
+void HalfQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
+                  int64_t ldc, int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < k / kQuantBlock; ++blk) {
+    const float* qp = qparams + blk * 2 * kNR + 16 * kHalf;
+    const __m256 s0 = _mm256_loadu_ps(qp), s1 = _mm256_loadu_ps(qp + 8);
+    const __m256 o0 = _mm256_loadu_ps(qp + kNR), o1 = _mm256_loadu_ps(qp + kNR + 8);
+#pragma GCC unroll 2
+    for (int64_t i = blk * kQuantBlock; i < (blk + 1) * kQuantBlock; ++i) {
+      __m256i q0, q1;
+      HalfCodes<kBits, kHalf>(codes, i, q0, q1);
+      const __m256 b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), s0, o0);
+      const __m256 b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), s1, o1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + r * lda + i);
+        acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+      }
+    }
+  }
+  StoreHalf<R>(acc, c + 16 * kHalf, ldc, cols - 16 * kHalf);
+}
+
+// Declared for the tables' sake only: with kQuantDirectRowsBf16 = 0 no bfloat16 unit takes it.
+template <int R, int kBits, typename O>
+void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, O* c,
+                    int64_t ldc, int64_t cols);
+
+template <int R, int kBits>
+void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
+                   int64_t ldc, int64_t cols) {
+  HalfQuantF32<R, kBits, 0>(a, lda, codes, qparams, k, c, ldc, cols);
+  if (cols > 16) HalfQuantF32<R, kBits, 1>(a, lda, codes, qparams, k, c, ldc, cols);
+}
+
 // Quantized panel row i, columns 16h + 8v .. 16h + 8v + 7, rebuilt (code * scale + offset, one
 // rounding).
 template <int kBits>
@@ -609,7 +668,7 @@ constexpr std::array<std::array<MicroFn<T, O>, kMR>, kPrefetchModes> MicroTables
   return {MicroTable<T, O, static_cast<int>(Pf)>(std::make_index_sequence<kMR>())...};
 }
 
-#if defined(JAXPAGED_MATMUL_AVX512)
+#if defined(JAXPAGED_MATMUL_AVX512) || defined(JAXPAGED_MATMUL_AVX2)
 template <int R, int kBits, typename T, typename O>
 constexpr auto MicroQuantFor() {
   if constexpr (std::is_same_v<T, float>) {
@@ -896,8 +955,9 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
 }
 
 // out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes], x float32 or bfloat16 (T), out T or
-// float32 (O). Units as the dense Gemm's (row block, panel); with AVX-512 a unit of few rows rebuilds
-// the weights in registers as it goes (the codes are all it reads), any other unit rebuilds its panel
+// float32 (O). Units as the dense Gemm's (row block, panel); a unit of few rows (kQuantDirectRows,
+// AVX-512 and AVX2) rebuilds the weights in registers as it goes (the codes are all it reads), any
+// other unit rebuilds its panel
 // once into the dense layout in cache (thread-local) and runs the dense kernels on it. Either way each
 // output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
 // pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
@@ -918,13 +978,16 @@ bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64
     const int64_t cols = std::min(kNR, n - panel * kNR);
     const T* a = x + row0 * k;
     O* c = out + row0 * n + panel * kNR;
-#if defined(JAXPAGED_MATMUL_AVX512)
-    static constexpr auto kDirect = QuantTable<kBits, T, O>(std::make_index_sequence<kQuantMR>());
-    if (rows <= (std::is_same_v<T, float> ? kQuantDirectRows : kQuantDirectRowsBf16)) {
-      ForEachRowGroup<kQuantMR>(rows, [&](int64_t r0, int64_t r) {
-        kDirect[r - 1](a + r0 * k, k, codes, qparams, k, c + r0 * n, n, cols);
-      });
-      return;
+#if defined(JAXPAGED_MATMUL_AVX512) || defined(JAXPAGED_MATMUL_AVX2)
+    constexpr int64_t kDirectRows = std::is_same_v<T, float> ? kQuantDirectRows : kQuantDirectRowsBf16;
+    if constexpr (kDirectRows > 0) {
+      static constexpr auto kDirect = QuantTable<kBits, T, O>(std::make_index_sequence<kQuantMR>());
+      if (rows <= kDirectRows) {
+        ForEachRowGroup<kQuantMR>(rows, [&](int64_t r0, int64_t r) {
+          kDirect[r - 1](a + r0 * k, k, codes, qparams, k, c + r0 * n, n, cols);
+        });
+        return;
+      }
     }
 #endif
     thread_local std::vector<T> rebuilt;
