@@ -102,6 +102,20 @@ def test_avx512_and_avx2_sum_alike(targets, m, k, n):
         np.testing.assert_array_equal(avx512, avx2, err_msg=str(dtype))
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_rows_do_not_depend_on_their_batch(targets, out_dtype):
+    """A bfloat16 row's product is the same bits alone as in a batch of 40 (which AVX2 runs on
+    widened float32 rows and panels, 5 rows on the pair kernels), odd K and a partial panel
+    included. (Not the AVX-512 variant, whose batches may take AMX tiles, summing in another order.)"""
+    for k, n in ((96, 70), (63, 49)):
+        x, _, w = _problem(40, k, n, seed=k)
+        xd, packed = jnp.asarray(x, jnp.bfloat16), pack_weight(w, jnp.bfloat16)
+        for name in set(targets) - {"avx512"}:
+            batch = _call(targets[name][0], xd, packed, n, out_dtype, 40)
+            alone = _call(targets[name][0], xd[:5], packed, n, out_dtype, 5)
+            np.testing.assert_array_equal(batch[:5], alone, err_msg=f"{name} K={k}")
+
+
 def test_variants_differ_where_they_should(targets):
     """Guards the comparisons above against comparing one build with itself: the portable loops
     round each product before adding it, the vector kernels fuse them."""

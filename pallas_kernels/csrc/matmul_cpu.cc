@@ -386,6 +386,22 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
 // so the second finds them in L1/L2. Each output's sum runs over k in order, one fused multiply-add
 // per k (per pair for bfloat16: the low product, then the high one), as the AVX-512 kernels'.
 
+// 8 floats as bfloat16 in the low halves of 32-bit lanes: F32ToBf16 (nearest even, NaN kept quiet).
+inline __m256i Bf16Lanes(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+
+// 16 floats stored as bfloat16.
+inline void StoreBf16x16(const float* v, uint16_t* c) {
+  const __m256i packed = _mm256_packus_epi32(Bf16Lanes(_mm256_load_ps(v)), Bf16Lanes(_mm256_load_ps(v + 8)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+
 // Stores an R x 16 tile whose first `cols` (clamped to 0..16) columns are real. (Through a
 // fully unrolled copy: GCC keeps the accumulators in registers only if no loop indexes them.)
 template <int R, typename O>
@@ -397,13 +413,19 @@ inline void StoreHalf(__m256 (&acc)[R][2], O* c, int64_t ldc, int64_t cols) {
     _mm256_store_ps(tile[r] + 8, acc[r][1]);
   }
   const int64_t n = std::clamp<int64_t>(cols, 0, 16);
+  if constexpr (std::is_same_v<O, uint16_t>) {
+    if (n == 16) {
+      for (int r = 0; r < R; ++r) StoreBf16x16(tile[r], c + r * ldc);
+      return;
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) StoreValue(c + r * ldc + j, tile[r][j]);
 }
 
-// Columns 16h .. 16h + 15 of a float32 panel.
-template <int R, int kPf, int kHalf>
-void HalfF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+// Columns 16h .. 16h + 15 of a float32 panel (out float32, or bfloat16 for widened bfloat16 units).
+template <int R, int kPf, int kHalf, typename O>
+void HalfF32(const float* a, int64_t lda, const float* b, int64_t k, O* c, int64_t ldc, int64_t cols,
              const char* ahead, int64_t ahead_lines) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -422,8 +444,8 @@ void HalfF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, i
   StoreHalf<R>(acc, c + 16 * kHalf, ldc, cols - 16 * kHalf);
 }
 
-template <int R, int kPf>
-void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc, int64_t cols,
+template <int R, int kPf, typename O = float>
+void MicroF32(const float* a, int64_t lda, const float* b, int64_t k, O* c, int64_t ldc, int64_t cols,
               const char* ahead, int64_t ahead_lines) {
   HalfF32<R, kPf, 0>(a, lda, b, k, c, ldc, cols, ahead, ahead_lines);
   if (cols > 16) HalfF32<R, 0, 1>(a, lda, b, k, c, ldc, cols, nullptr, 0);
@@ -581,6 +603,33 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
                                             _mm256_and_si256(hi, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + q * 2 * kNR + 16 * v), words);
     }
+}
+
+// bfloat16 units of more than kWidenRows rows: x's rows and the panel widened to float32 (exactly)
+// once per unit, then the float32 kernels. The same products and sums as the pair kernels (k in
+// order, one fused multiply-add each), at the float32 kernels' speed: the pair kernels spend
+// registers and instructions on widening inside their loop (256 x 576 x 3072: 1.5x slower).
+constexpr int64_t kWidenRows = 12;
+
+void WidenPanel(const uint16_t* b, int64_t k, float* panel) {
+  for (int64_t q = 0; q < k / 2; ++q)
+    for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + q * 2 * kNR + 16 * v));
+      _mm256_storeu_ps(panel + 2 * q * kNR + 8 * v, PairLow(w));
+      _mm256_storeu_ps(panel + (2 * q + 1) * kNR + 8 * v, PairHigh(w));
+    }
+  if (k % 2)  // the plain last row
+    for (int v = 0; v < 4; ++v) {
+      const auto* row = reinterpret_cast<const __m128i*>(b + (k - 1) * kNR + 8 * v);
+      _mm256_storeu_ps(panel + (k - 1) * kNR + 8 * v, PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(row))));
+    }
+}
+
+void WidenValues(const uint16_t* x, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(out + i, PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)))));
+  for (; i < count; ++i) out[i] = Bf16ToF32(x[i]);
 }
 
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
@@ -804,7 +853,10 @@ struct Job {
   const T* x;
   const T* w;
   O* out;
+  uint64_t call;  // distinct per Gemm call (keys the widened rows a worker keeps, AVX2)
 };
+
+std::atomic<uint64_t> gemm_calls{0};
 
 // Splits `rows` into ceil(rows / kMax) near-equal micro-kernel row counts.
 template <int64_t kMax = kMR, typename F>
@@ -835,6 +887,39 @@ template <typename O>
 void AmxPanel(const uint16_t*, int64_t, const uint16_t*, int64_t, O*, int64_t, int64_t, int64_t) {}
 #endif
 
+#if defined(JAXPAGED_MATMUL_AVX2)
+template <typename O, size_t... R>
+constexpr std::array<MicroFn<float, O>, kMR> WideTable(std::index_sequence<R...>) {
+  return {&MicroF32<static_cast<int>(R) + 1, 0, O>...};
+}
+
+// A bfloat16 unit (row block rb, panel b) on the float32 kernels: the block's rows widened once per
+// worker and call, the panel per unit.
+template <typename O>
+void RunWidened(const Job<uint16_t, O>& job, int64_t rb, const uint16_t* b, O* c, int64_t cols) {
+  static constexpr auto kWide = WideTable<O>(std::make_index_sequence<kMR>());
+  struct Widened {
+    uint64_t call = ~uint64_t{0};
+    int64_t rb = -1;
+    std::vector<float> x, panel;
+  };
+  thread_local Widened w;
+  const Plan& p = job.plan;
+  const int64_t row0 = rb * p.block_rows, rows = std::min(p.block_rows, p.m - row0);
+  if (w.call != job.call || w.rb != rb) {
+    w.x.resize(rows * p.k);
+    WidenValues(job.x + row0 * p.k, rows * p.k, w.x.data());
+    w.call = job.call;
+    w.rb = rb;
+  }
+  w.panel.resize(p.k * kNR);
+  WidenPanel(b, p.k, w.panel.data());
+  ForEachRowGroup(rows, [&](int64_t r0, int64_t r) {
+    kWide[r - 1](w.x.data() + r0 * p.k, p.k, w.panel.data(), p.k, c + r0 * p.n, p.n, cols, nullptr, 0);
+  });
+}
+#endif
+
 // Unit u; `more` if the same worker will most likely run u + 1 next.
 template <typename T, typename O>
 void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
@@ -851,6 +936,12 @@ void RunUnit(const Job<T, O>& job, int64_t u, bool more) {
       AmxPanel(job.x + row0 * p.k, p.k, b, p.k, job.out + row0 * p.n + panel * kNR, p.n, cols, rows);
       return;
     }
+#if defined(JAXPAGED_MATMUL_AVX2)
+    if (rows > kWidenRows) {
+      RunWidened(job, rb, b, job.out + row0 * p.n + panel * kNR, cols);
+      return;
+    }
+#endif
   }
   // With few row groups (the weight is read from memory about as fast as it is used), each
   // group prefetches its share of the next panel into L2.
@@ -947,9 +1038,14 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
     std::memset(out, 0, m * n * sizeof(O));
     return true;
   }
-  const Plan plan = MakePlan(m, k, n, sizeof(T), std::max<int64_t>(1, pool.num_threads()));
+#if defined(JAXPAGED_MATMUL_AVX2)
+  const int64_t row_bytes = sizeof(float);  // bfloat16 row blocks sized for their widened rows
+#else
+  const int64_t row_bytes = sizeof(T);
+#endif
+  const Plan plan = MakePlan(m, k, n, row_bytes, std::max<int64_t>(1, pool.num_threads()));
   if (plan.units >= (int64_t{1} << 31)) return false;
-  const Job<T, O> job{plan, x, w, out};
+  const Job<T, O> job{plan, x, w, out, gemm_calls.fetch_add(1, std::memory_order_relaxed)};
   RunUnits(plan.units, plan.workers, [&job](int64_t u, bool more) { RunUnit(job, u, more); }, pool);
   return true;
 }
