@@ -525,8 +525,8 @@ inline void HalfCodes(const uint8_t* codes, int64_t i, __m256i& q0, __m256i& q1)
 }
 
 // Few rows, float32: columns 16h .. 16h + 15 with the weights rebuilt in registers as they are used
-// (the codes are all a unit reads), in at most kQuantMR rows: the same weights (RebuiltEight's one rounding) and
-// the same sums in the same order as the dense kernel on the rebuilt panel.
+// (the codes are all a unit reads; the block's scales and offsets held), in at most kQuantMR rows:
+// RebuiltHalf's weights and the dense kernel's sums, in its order.
 template <int R, int kBits, int kHalf>
 void HalfQuantF32(const float* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, float* c,
                   int64_t ldc, int64_t cols) {
@@ -564,45 +564,41 @@ void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const floa
   if (cols > 16) HalfQuantF32<R, kBits, 1>(a, lda, codes, qparams, k, c, ldc, cols);
 }
 
-// Quantized panel row i, columns 16h + 8v .. 16h + 8v + 7, rebuilt (code * scale + offset, one
-// rounding).
-template <int kBits>
-inline __m256 RebuiltEight(const uint8_t* codes, const float* qparams, int64_t i, int h, int v) {
-  const float* qp = qparams + (i / kQuantBlock) * 2 * kNR + 16 * h + 8 * v;
-  __m256i q;
-  if constexpr (kBits == 4) {  // byte j: column j (low nibble), column j + 16 (high nibble)
-    const auto* ci = reinterpret_cast<const __m128i*>(codes + i * 16 + 8 * v);
-    q = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ci)), 4 * h);
-    q = _mm256_and_si256(q, _mm256_set1_epi32(0xf));
-  } else {
-    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * 32 + 16 * h + 8 * v)));
-  }
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(qp), _mm256_loadu_ps(qp + kNR));
+// Quantized panel row i, columns 16h .. 16h + 15, rebuilt (code * scale + offset, one rounding).
+template <int kBits, int kHalf>
+inline void RebuiltHalf(const uint8_t* codes, const float* qparams, int64_t i, __m256& b0, __m256& b1) {
+  const float* qp = qparams + (i / kQuantBlock) * 2 * kNR + 16 * kHalf;
+  __m256i q0, q1;
+  HalfCodes<kBits, kHalf>(codes, i, q0, q1);
+  b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(qp), _mm256_loadu_ps(qp + kNR));
+  b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(qp + 8), _mm256_loadu_ps(qp + kNR + 8));
 }
 
 template <int kBits>
 void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, float* panel) {
-  for (int64_t i = 0; i < k; ++i)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(panel + i * kNR + 8 * v, RebuiltEight<kBits>(codes, qparams, i, v / 2, v % 2));
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 b[4];
+    RebuiltHalf<kBits, 0>(codes, qparams, i, b[0], b[1]);
+    RebuiltHalf<kBits, 1>(codes, qparams, i, b[2], b[3]);
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(panel + i * kNR + 8 * v, b[v]);
+  }
 }
 
-// Rounded to bfloat16 (nearest even; the rebuilt weights are finite) and paired: per column the
-// word (bf16(row 2q), bf16(row 2q + 1)), as pack_weight lays the dequantized weight out.
+// Rounded to bfloat16 (as F32ToBf16) and paired: per column the word (bf16(row 2q), bf16(row 2q + 1)),
+// as pack_weight lays the dequantized weight out.
 template <int kBits>
 void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_t* panel) {
-  const auto rounded = [](__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  };
-  for (int64_t q = 0; q < k / 2; ++q)
+  for (int64_t q = 0; q < k / 2; ++q) {
+    __m256 lo[4], hi[4];
+    RebuiltHalf<kBits, 0>(codes, qparams, 2 * q, lo[0], lo[1]);
+    RebuiltHalf<kBits, 1>(codes, qparams, 2 * q, lo[2], lo[3]);
+    RebuiltHalf<kBits, 0>(codes, qparams, 2 * q + 1, hi[0], hi[1]);
+    RebuiltHalf<kBits, 1>(codes, qparams, 2 * q + 1, hi[2], hi[3]);
     for (int v = 0; v < 4; ++v) {
-      const __m256i lo = rounded(RebuiltEight<kBits>(codes, qparams, 2 * q, v / 2, v % 2));
-      const __m256i hi = rounded(RebuiltEight<kBits>(codes, qparams, 2 * q + 1, v / 2, v % 2));
-      const __m256i words = _mm256_or_si256(_mm256_srli_epi32(lo, 16),
-                                            _mm256_and_si256(hi, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      const __m256i words = _mm256_or_si256(Bf16Lanes(lo[v]), _mm256_slli_epi32(Bf16Lanes(hi[v]), 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + q * 2 * kNR + 16 * v), words);
     }
+  }
 }
 
 // bfloat16 units of more than kWidenRows rows: x's rows and the panel widened to float32 (exactly)
