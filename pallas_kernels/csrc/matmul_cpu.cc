@@ -607,6 +607,14 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
 // registers and instructions on widening inside their loop (256 x 576 x 3072: 1.5x slower).
 constexpr int64_t kWidenRows = 12;
 
+void WidenValues(const uint16_t* x, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(out + i,
+                     PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)))));
+  for (; i < count; ++i) out[i] = Bf16ToF32(x[i]);
+}
+
 void WidenPanel(const uint16_t* b, int64_t k, float* panel) {
   for (int64_t q = 0; q < k / 2; ++q)
     for (int v = 0; v < 4; ++v) {
@@ -614,18 +622,7 @@ void WidenPanel(const uint16_t* b, int64_t k, float* panel) {
       _mm256_storeu_ps(panel + 2 * q * kNR + 8 * v, PairLow(w));
       _mm256_storeu_ps(panel + (2 * q + 1) * kNR + 8 * v, PairHigh(w));
     }
-  if (k % 2)  // the plain last row
-    for (int v = 0; v < 4; ++v) {
-      const auto* row = reinterpret_cast<const __m128i*>(b + (k - 1) * kNR + 8 * v);
-      _mm256_storeu_ps(panel + (k - 1) * kNR + 8 * v, PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(row))));
-    }
-}
-
-void WidenValues(const uint16_t* x, int64_t count, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(out + i, PairLow(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)))));
-  for (; i < count; ++i) out[i] = Bf16ToF32(x[i]);
+  if (k % 2) WidenValues(b + (k - 1) * kNR, kNR, panel + (k - 1) * kNR);  // the plain last row
 }
 
 #else  // portable fallback: same layouts, plain loops (the compiler vectorizes what it can)
@@ -1049,8 +1046,8 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
 // out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes], x float32 or bfloat16 (T), out T or
 // float32 (O). Units as the dense Gemm's (row block, panel); a unit of few rows (kQuantDirectRows,
 // AVX-512 and AVX2) rebuilds the weights in registers as it goes (the codes are all it reads), any
-// other unit rebuilds its panel
-// once into the dense layout in cache (thread-local) and runs the dense kernels on it. Either way each
+// other unit rebuilds its panel once into the dense layout in cache (thread-local) and runs the
+// dense kernels on it. Either way each
 // output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
 // pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
 // Gemm's do. False if the problem is too large.
