@@ -36,6 +36,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import NamedTuple
 
 from jaxpaged.request import Request
@@ -327,6 +328,25 @@ class KVCacheManager:
             self._publish_full_blocks(request, total)
         return True
 
+    def grow_tables(self, requests: list[Request]) -> None:
+        """``allocate_slots`` for a batch of requests in one pool allocation: each table grows to cover
+        the request's ``num_computed_tokens``, which the scheduler has already advanced over this
+        step's tokens (decode steps opening their next blocks, the common allocation). None of them
+        may be in ``shared_tails`` (no copy on write to make); ``ValueError``, changing nothing, if
+        the pool is short."""
+        bs = self.block_size
+        counts = [max(0, -(-r.num_computed_tokens // bs) - len(r.block_ids)) for r in requests]
+        new = iter(self.pool.allocate(sum(counts)))
+        mark, caching = self._mark_changed, self.enable_caching
+        for r, c in zip(requests, counts):
+            if not c:
+                continue
+            block_ids = r.block_ids
+            mark(r, len(block_ids))
+            block_ids += islice(new, c)
+            if caching:
+                self._publish_full_blocks(r, r.num_computed_tokens)
+
     def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         """How many free blocks ``allocate_slots(request, num_new_tokens)`` would take now."""
         missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
@@ -462,17 +482,21 @@ class KVCacheManager:
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every block that is full once this step's tokens are written, as far as their token
         ids are known (an output token still in flight is published with a later step)."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        done = self._num_published.get(request.request_id, 0)
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        bs, rid = self.block_size, request.request_id
+        num_full = (num_tokens if num_tokens < known else known) // bs
+        done = self._num_published.get(rid, 0)
         if num_full <= done:
             return
         # One pass (a decode step's new block publishes one): each block's tokens read once, for
         # its digest (if not yet computed: the digests may run ahead, from a prefix lookup) and its entry.
-        hashes = self._hashes.setdefault(request.request_id, [])
-        block_ids, pool = request.block_ids, self.pool
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            hashes = self._hashes[rid] = []
+        block_ids, pool, token_ids = request.block_ids, self.pool, request.token_ids_slice
         for i in range(done, num_full):
-            tokens = self._block_tokens(request, i)
+            tokens = token_ids(i * bs, i * bs + bs)
             if i == len(hashes):
                 hashes.append(self._hash_fn(hashes[-1] if i else root_hash(request.cache_salt), tokens))
             pool.cache(block_ids[i], hashes[i], tokens, self._parent_key(request, block_ids, i))
-        self._num_published[request.request_id] = num_full
+        self._num_published[rid] = num_full

@@ -215,13 +215,16 @@ class Scheduler:
         forked: list[Request] = []
 
         # Running requests first, in admission order. The hot path of a decode step, so the common
-        # case is inlined: one token to compute, room in a private last block, nothing to fork. A
-        # position inside a block (not at a block's start) is in the block of the token before it,
-        # allocated already, and only a fork could have shared that block since.
+        # case is inlined: one token to compute in a block of its own, nothing to fork. A position
+        # inside a block (not at a block's start) is in the block of the token before it, allocated
+        # already, and only a fork (``shared_tails``) could have shared that block since. Rows that open
+        # a new block take it in one allocation for all of them (``opening``), before any other.
         running, max_len, block_size = self.running, self.max_model_len, kv.block_size
         allocate, add, shared_tails = kv.allocate_slots, self._add_to_output, kv.shared_tails
         rows, new_tokens, starts, samples = out.requests, out.num_new_tokens, out.start_positions, out.samples
         host_tokens = out.num_host_tokens
+        opening: list[Request] = []
+        room = kv.num_free_blocks
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -230,11 +233,16 @@ class Scheduler:
             in_flight = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + in_flight
             known = len(request.prompt_token_ids) + num_outputs
-            if (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
-                    and ((computed % block_size and not (shared_tails and request.request_id in shared_tails))
-                         or allocate(request, 1))):
-                # _add_to_output for one token that samples, with no forks (the blocks are in place:
-                # room in a private block, or the new one). Within max_model_len: known < prompt + max_tokens.
+            fast = (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
+                    and not (shared_tails and request.request_id in shared_tails))
+            if fast and not computed % block_size and len(request.block_ids) * block_size <= computed:
+                fast = room > 0
+                if fast:
+                    room -= 1
+                    opening.append(request)
+            if fast:
+                # _add_to_output for one token that samples, with no forks. Within max_model_len:
+                # known < prompt + max_tokens.
                 request.num_computed_tokens = computed + 1
                 request.num_output_placeholders = in_flight + 1
                 rows.append(request)
@@ -248,10 +256,15 @@ class Scheduler:
             # Nothing known to compute until the engine appends a token, or its last token is in flight.
             if num_new <= 0 or request.all_outputs_sampled:
                 continue
+            if opening:
+                kv.grow_tables(opening)
+                opening.clear()
             if not allocate(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
+            room = kv.num_free_blocks
             add(out, request, num_new, forked, known)
             budget -= num_new
+        kv.grow_tables(opening)
 
         # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
         # for the rest of its group has nothing to compute yet and is passed over.
@@ -342,15 +355,18 @@ class Scheduler:
             # Rows with the most steps first: each step then computes a prefix of the rows.
             order = sorted(range(len(rows)), key=steps.__getitem__, reverse=True)
             rows, steps = [rows[i] for i in order], [steps[i] for i in order]
-        starts, host_tokens = [], []
+        starts, host_tokens, opening = [], [], []
         for request, n in zip(rows, steps):
             computed, in_flight = request.num_computed_tokens, request.num_output_placeholders
-            if computed + n > len(request.block_ids) * block_size or (shared_tails and request.request_id in shared_tails):
+            if shared_tails and request.request_id in shared_tails:
                 kv.allocate_slots(request, n)      # cannot fail: ``need`` blocks are free
+            elif computed + n > len(request.block_ids) * block_size:
+                opening.append(request)
             starts.append(computed)
             host_tokens.append(0 if in_flight else 1)
             request.num_computed_tokens = computed + n
             request.num_output_placeholders = in_flight + n
+        kv.grow_tables(opening)
         return SchedulerOutput(requests=rows, num_new_tokens=steps, start_positions=starts, preempted=[],
                                samples=[True] * len(rows), num_host_tokens=host_tokens, num_steps=k)
 

@@ -131,6 +131,57 @@ def test_allocate_slots_is_all_or_nothing() -> None:
     assert kv.allocate_slots(req, 4) and len(req.block_ids) == 2 and kv.num_free_blocks == 0
 
 
+def _decoding(kv: KVCacheManager, tokens: list[list[int]]) -> list[Request]:
+    """Requests whose prompts ``tokens[i]`` are computed, each with one more output token known."""
+    reqs = []
+    for i, t in enumerate(tokens):
+        r = Request(f"r{i}", t, SamplingParams(), max_tokens=16, seed=0)
+        assert kv.allocate_slots(r, len(t))
+        r.num_computed_tokens = len(t)
+        r.output_token_ids.append(100 + i)
+        reqs.append(r)
+    kv.take_changed_tables()
+    return reqs
+
+
+@pytest.mark.parametrize("num_new", [2, 3, 9])
+def test_grow_tables_matches_allocate_slots_one_by_one(num_new: int) -> None:
+    """The decode step's one allocation for many requests hands out the same blocks in the same
+    order, records the same table changes and publishes the same cached blocks as allocate_slots."""
+    prompts = [list(range(10 * i, 10 * i + n)) for i, n in enumerate([4, 8, 5, 12, 11])]
+    one, batch = (KVCacheManager(num_blocks=40, block_size=4, enable_caching=True) for _ in range(2))
+    a, b = _decoding(one, prompts), _decoding(batch, prompts)
+    for r in a:
+        assert one.allocate_slots(r, num_new)
+        r.num_computed_tokens += num_new
+    for r in b:
+        r.num_computed_tokens += num_new
+    batch.grow_tables(b)
+    assert [r.block_ids for r in a] == [r.block_ids for r in b]
+    assert [len(r.block_ids) for r in b] == [-(-r.num_computed_tokens // 4) for r in b]
+    assert ([(c.request.request_id, c.first) for c in one.take_changed_tables()]
+            == [(c.request.request_id, c.first) for c in batch.take_changed_tables()])
+    assert one.pool.num_cached_blocks == batch.pool.num_cached_blocks
+    assert one.num_free_blocks == batch.num_free_blocks
+    # The last request's third block, full with its output token, is published as its fourth opens:
+    # a later request with that sequence as its prompt hits it.
+    for kv, r in ((one, a[4]), (batch, b[4])):
+        probe = Request("probe", r.all_token_ids + [7], SamplingParams(), max_tokens=1, seed=0)
+        assert kv.get_computed_blocks(probe) == 12 and probe.block_ids == r.block_ids[:3]
+
+
+def test_grow_tables_short_pool_raises_and_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True)     # 4 usable blocks
+    reqs = _decoding(kv, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    for r in reqs:
+        r.num_computed_tokens += 5                      # 9 tokens: two more blocks each, 2 free
+    before = [list(r.block_ids) for r in reqs]
+    with pytest.raises(ValueError, match="only 2 free"):
+        kv.grow_tables(reqs)
+    assert [r.block_ids for r in reqs] == before and kv.num_free_blocks == 2
+    assert kv.take_changed_tables() == []
+
+
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random allocate / incref / free / double-free sequences against a reference model
     (a multiset of the references the test holds)."""
