@@ -23,8 +23,9 @@ between (``ModelRunner.run_batch`` + ``collect``); "exposed" = step - device onl
 overhead the device actually waits for.
 "scheduler alone" times ``Scheduler.schedule()`` (scheduler + block manager, prefix caching on, as
 the engine's default) of the same number of decoding requests with no engine and no device, each
-step followed by the bookkeeping of its sampled tokens: the pure-Python part, free of the noise
-that a device step running on the same two cores adds to the other phases.
+step followed by the bookkeeping of its sampled tokens, one step at a time and in the multi-step
+groups timed above (per decode step): the pure-Python part, free of the noise that a device step
+running on the same two cores adds to the other phases.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
@@ -181,11 +182,12 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
 
 
 def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: int = 32, warmup: int = 8,
-                    seed: int = 0) -> list[float]:
+                    seed: int = 0, num_scheduler_steps: int = 1) -> list[float]:
     """Seconds of each of ``steps`` ``Scheduler.schedule()`` calls for ``num_requests`` decoding requests,
     after their prompts and ``warmup`` decode steps; between steps every sampled token is taken in
-    (placeholder resolved, token appended) as the engine does. Raises if a timed step is not one
-    decode token for each request."""
+    (placeholders resolved, tokens appended) as the engine does. With ``num_scheduler_steps`` k > 1
+    each call schedules a group of k decode steps (multi-step scheduling). Raises if a timed call is
+    not one decode token (a group of k) for each request."""
     import random
 
     from jaxpaged.config import SchedulerConfig
@@ -195,20 +197,22 @@ def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: 
     from jaxpaged.scheduler import Scheduler
 
     rng = random.Random(seed)
-    max_len = prompt_len + 2 * (num_requests * prompt_len // 512 + warmup + steps) + 2
+    k = num_scheduler_steps
+    max_len = prompt_len + 2 * (num_requests * prompt_len // 512 + (warmup + steps) * k) + 2
     blocks = num_requests * -(-max_len // block_size) + 1
-    scheduler = Scheduler(SchedulerConfig(512, num_requests, enable_chunked_prefill=True),
+    scheduler = Scheduler(SchedulerConfig(512, num_requests, enable_chunked_prefill=True, num_scheduler_steps=k),
                           KVCacheManager(blocks, block_size, enable_caching=True), max_len)
     sp = SamplingParams(temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
         scheduler.add_request(Request(f"alone-{i}", [rng.randrange(32, 49152) for _ in range(prompt_len)], sp,
-                                      max_tokens=max_len - prompt_len, seed=0))
+                                      max_tokens=max_len - prompt_len, seed=0, multi_step=True))
 
     def take_in(out) -> None:
-        for r, sampled in zip(out.requests, out.samples):
+        for r, n, sampled in zip(out.requests, out.num_new_tokens, out.samples):
             if sampled:
-                r.num_output_placeholders -= 1
-                r.output_token_ids.append(rng.randrange(32, 49152))
+                n = n if out.num_steps > 1 else 1       # a group samples each of its steps
+                r.num_output_placeholders -= n
+                r.output_token_ids.extend(rng.randrange(32, 49152) for _ in range(n))
 
     while not all(r.num_output_tokens for r in scheduler.running) or scheduler.num_waiting:
         take_in(scheduler.schedule())
@@ -219,8 +223,9 @@ def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: 
         t = time.perf_counter()
         out = scheduler.schedule()
         seconds.append(time.perf_counter() - t)
-        if out.num_new_tokens != [1] * num_requests:
-            raise RuntimeError(f"a timed schedule was not one decode token for each of {num_requests} requests")
+        if out.num_steps != k or out.num_new_tokens != [k] * num_requests:
+            what = "one decode token" if k == 1 else f"a group of {k} decode steps"
+            raise RuntimeError(f"a timed schedule was not {what} for each of {num_requests} requests")
         take_in(out)
     return seconds
 
@@ -305,8 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
                 timings, device_only = measure(engine, n, args.steps, args.warmup, args.prompt_len, kind)
                 rows.append({"mode": mode, "outputs": name, "num_requests": n, **summarize(timings, device_only),
                              "steps": [asdict(t) for t in timings]})
-    alone = {n: 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size))
-             for n in args.batch_sizes}
+    alone = {(n, k): 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size,
+                                                              num_scheduler_steps=k)) / k
+             for k in sorted({k for _, k in modes}) for n in args.batch_sizes}
     print(f"median ms per decode step ({args.steps} steps each; {UNDER_LOAD})")
     print_table(["mode", "outputs", "running", *PHASES, "host total", "host CPU", "step", "device only", "exposed"],
                 [[r["mode"], r["outputs"], r["num_requests"], *(r[p] for p in PHASES), r["host"], r["host_cpu"],
@@ -319,10 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"outputs): {top['host']:.3f} ms of host work per decode step, {top['exposed']:.3f} ms exposed "
               f"(target <= {TARGET_MS} ms host work: {verdict})")
     print("scheduler alone (no engine, no device), median ms per decode step: "
-          + ", ".join(f"{n} running {ms:.3f}" for n, ms in alone.items()))
+          + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f}" for (n, k), ms in alone.items()))
     plot(rows)
     result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows,
-              "scheduler_alone_ms": alone}
+              "scheduler_alone_ms": {f"{n}" if k == 1 else f"{n} x{k}": ms for (n, k), ms in alone.items()}}
     write_json("overhead", result)
     return result
 

@@ -80,8 +80,10 @@ def test_memory_counts_a_shared_block_once(tiny):
     assert shared_seen
 
 
-def test_scheduler_alone_times_pure_decode_steps():
-    seconds = overhead.scheduler_alone(num_requests=24, steps=5, block_size=4, prompt_len=40, warmup=2)
+@pytest.mark.parametrize("k", [1, 8])
+def test_scheduler_alone_times_pure_decode_steps(k):
+    seconds = overhead.scheduler_alone(num_requests=24, steps=5, block_size=4, prompt_len=40, warmup=2,
+                                       num_scheduler_steps=k)
     assert len(seconds) == 5 and min(seconds) > 0
 
 
@@ -100,6 +102,9 @@ def test_scheduler_alone_rejects_a_step_that_is_not_pure_decode(monkeypatch):
     monkeypatch.setattr(Scheduler, "schedule", skewed)
     with pytest.raises(RuntimeError, match="not one decode token"):
         overhead.scheduler_alone(num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1)
+    with pytest.raises(RuntimeError, match="not a group of 8 decode steps"):
+        overhead.scheduler_alone(num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1,
+                                 num_scheduler_steps=8)
 
 
 def test_overhead_phases_partition_the_step(tiny):
