@@ -490,6 +490,7 @@ class KVCacheManager:
             return
         # One pass (a decode step's new block publishes one): each block's tokens read once, for
         # its digest (if not yet computed: the digests may run ahead, from a prefix lookup) and its entry.
+        # On the decode step's path, so ``_block_tokens`` and the lookups are inlined (~1 us of ~10 a block).
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = self._hashes[rid] = []
