@@ -248,7 +248,7 @@ def summarize(timings: list[StepTiming], device_only: list[float]) -> dict[str, 
 def build_engine(args, async_scheduling: bool, num_scheduler_steps: int = 1):
     from jaxpaged import EngineArgs, LLMEngine
 
-    model = str(tiny_model_dir(args.vocab_size)) if args.model == "tiny" else args.model
+    model = str(tiny_model_dir(args.vocab_size, max_positions=args.max_model_len)) if args.model == "tiny" else args.model
     return LLMEngine.from_engine_args(EngineArgs(
         model=model, tokenizer=args.tokenizer, max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
