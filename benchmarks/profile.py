@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from benchmarks.common import print_table, write_json
 from benchmarks.workload import synthetic
 
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.model_runner import sample_fn, step_fn
+    from jaxpaged.model_runner import sample_fn
 
     reqs = synthetic(args.n, args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -115,12 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     jax.profiler.stop_trace()
     runner.run_batch = run_batch
 
-    m = runner.model
     kinds: dict[str, str] = {}
     forwards = []
     for b in batches.values():
-        forward = step_fn.lower(m.module, m.params, runner.kv_pages, b.input_ids, b.positions, b.md,
-                                b.logits_indices, b.prev_index, runner._prev_tokens, np.int32(b.num_logits))
+        program, args = runner.forward_program(b)
+        forward = program.lower(*args)
         forwards.append(forward.compile().as_text())
         sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
                                   num_token_slots=runner.max_rows).compile().as_text()

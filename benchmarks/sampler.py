@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.pool_scaling import decode_batch, smollm2_model
-from jaxpaged.model_runner import ModelRunner, sample_fn, step_fn
+from jaxpaged.model_runner import ModelRunner, sample_fn
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
@@ -95,10 +95,11 @@ def main() -> None:
         runner.slots.update([], [r.request_id for r in reqs])
     targets = jnp.zeros(0, jnp.int32)
     batch = runner.prepare(decode_batch(B, args.context, args.block_size))
-    inputs = jax.device_put((batch.input_ids, batch.positions, batch.md, batch.logits_indices))
+    runner.collect(runner.run_batch(batch))         # its block tables written to the device
 
     def forward():
-        runner.kv_pages, out = step_fn(model.module, model.params, runner.kv_pages, *inputs)
+        program, call_args = runner.forward_program(batch)
+        runner.kv_pages, out = program(*call_args)
         return out
 
     fns = {"model forward (decode)": forward}

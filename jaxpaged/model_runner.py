@@ -1,11 +1,11 @@
 """Turns a ``SchedulerOutput`` into padded device arrays and runs one jitted, KV-donating step.
 
-The host side is vectorized numpy over a persistent batch: every sequence the runner has seen
-keeps a slot, a row of per-sequence arrays (its block table, its sampling parameters, the row
-it last sampled at) written when the sequence arrives or its blocks change, and gathered by
-slot each step. Per request and step only the new token ids (prompt chunks) are copied from
-Python lists. Shapes are padded to power-of-two buckets (tokens, rows, block-table width,
-prefill tiles) so the set of compiled programs stays small and known.
+The host side is vectorized numpy over a persistent batch (``SequenceSlots``): every sequence
+the runner has seen keeps a slot, a row of per-sequence arrays gathered by slot each step, and
+the block tables have a device copy updated by the entries that changed. Per request and step
+only the new token ids (prompt chunks) are copied from Python lists. Shapes are padded to
+power-of-two buckets (tokens, rows, block-table width, prefill tiles) so the set of compiled
+programs stays small and known.
 
 A step is launched (``launch``: inputs over, forward and sampler dispatched, nothing waited
 for) and collected later (``collect``: sampled tokens back to the host), so the engine can
@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged import parallel
-from jaxpaged.kv_cache_manager import TableChange
 from jaxpaged.request import Request
 from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.sequence_slots import SequenceSlots
 from models.registry import BuiltModel
 from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
 from pallas_kernels.kv_ops import gather_blocks, scatter_blocks
@@ -47,7 +47,9 @@ MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
-_SEED_MASK = (1 << 64) - 1
+# Device block-table writes go in chunks of a power-of-two bucket between these (all compiled at
+# start-up): a decode step of 256 rows at block size 8 writes ~32 entries.
+MIN_TABLE_WRITES, MAX_TABLE_WRITES = 64, 4096
 _PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
                    "engine scheduled past an in-flight step)")
 # Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
@@ -73,6 +75,13 @@ class StepBatch:
     input_ids: np.ndarray
     positions: np.ndarray
     md: AttentionMetadata
+    """Its ``block_tables`` is None: the rows' tables are read from the runner's device copy."""
+    table_rows: np.ndarray
+    """[R_b] each row's row of the device block tables (padding rows: 0)."""
+    table_width: int
+    """Leading block-table columns the step reads (all of them, or a context bucket)."""
+    table_writes: list[np.ndarray]
+    """Padded ``[3, U_b]`` (row, column, block id) writes to the device tables, applied first."""
     logits_indices: np.ndarray
     prev_index: np.ndarray
     sampling: SamplingTensors
@@ -96,7 +105,7 @@ class StepBatch:
     def program_keys(self) -> tuple[tuple, tuple]:
         """The shapes (and flags) that select the compiled forward and sampler programs."""
         st = self.sampling
-        forward = ("forward", self.input_ids.shape[0], self.logits_indices.shape[0], self.md.block_tables.shape[1],
+        forward = ("forward", self.input_ids.shape[0], self.logits_indices.shape[0], self.table_width,
                    self.md.tile_row.shape[0], self.md.tile_size)
         sampler = ("sampler", self.logits_indices.shape[0], self.prompt_targets.shape[0], self.flags,
                    st.penalty_rows.shape[0], st.bias_rows.shape[0])
@@ -128,12 +137,12 @@ class StepOutput:
     """Batch row of each ``prompt`` entry; a row's entries are consecutive prompt positions."""
 
 
-def _step(statics, layout, param_leaves, kv_pages, packed, prev_tokens=None):
+def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=None):
     # The params arrive as a flat tuple (their structure static): flattening SmolLM2's nested dict of
     # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does. The step's int32 inputs arrive
     # packed in one array (``_pack_inputs``): each host array handed to a jitted call is a transfer
     # of its own, ~5 us each once the device step has evicted the host's caches.
-    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout)
+    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -142,40 +151,47 @@ def _step(statics, layout, param_leaves, kv_pages, packed, prev_tokens=None):
     return kv_pages, logits
 
 
-_MD_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
+_MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
 
 
 @dataclass(frozen=True)
 class _InputLayout:
     """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions,
-    the metadata arrays (``_MD_ARRAYS``), logits_indices, prev_index, num_logits. Static: part of
-    the program's key, with the metadata's tile size."""
+    the metadata arrays but the block tables (``_MD_ARRAYS``), the rows' block-table rows,
+    logits_indices, prev_index, num_logits. Static: part of the program's key, with the
+    metadata's tile size and the block-table columns read."""
 
     shapes: tuple[tuple[int, ...], ...]
     tile_size: int
+    table_width: int
 
 
-def _pack_inputs(input_ids, positions, md, logits_indices, prev_index=None, num_logits=None):
-    """The step's int32 inputs as one flat host array, and its layout. No ``prev_index`` means no
-    in-flight token (all -1), no ``num_logits`` every ``logits_indices`` entry."""
+def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_width, prev_index=None,
+                 num_logits=None):
+    """The step's int32 inputs as one flat host array, and its layout. The block tables go apart
+    (``_unpack_inputs`` reads rows ``table_rows`` of them). No ``prev_index`` means no in-flight
+    token (all -1), no ``num_logits`` every ``logits_indices`` entry."""
     if prev_index is None:
         prev_index = np.full(np.shape(input_ids), -1, np.int32)
     if num_logits is None:
         num_logits = np.shape(logits_indices)[0]
     arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, *(getattr(md, f) for f in _MD_ARRAYS),
-                                                  logits_indices, prev_index, num_logits)]
-    return np.concatenate([a.ravel() for a in arrays]), _InputLayout(tuple(a.shape for a in arrays), md.tile_size)
+                                                  table_rows, logits_indices, prev_index, num_logits)]
+    return (np.concatenate([a.ravel() for a in arrays]),
+            _InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width))
 
 
-def _unpack_inputs(packed, layout: _InputLayout):
-    """``_pack_inputs`` undone inside the program: static slices of the packed array."""
+def _unpack_inputs(packed, layout: _InputLayout, tables):
+    """``_pack_inputs`` undone inside the program: static slices of the packed array, and the
+    rows' block tables gathered from ``tables``."""
     arrays, at = [], 0
     for shape in layout.shapes:
         size = math.prod(shape)
         arrays.append(packed[at:at + size].reshape(shape))
         at += size
-    input_ids, positions, *md_arrays, logits_indices, prev_index, num_logits = arrays
-    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), tile_size=layout.tile_size)
+    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits = arrays
+    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), block_tables=tables[table_rows, :layout.table_width],
+                           tile_size=layout.tile_size)
     return input_ids, positions, md, logits_indices, prev_index, num_logits
 
 
@@ -189,15 +205,31 @@ def _jit_step(mesh):
         return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep), out_shardings=(kv, rep))
+                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep))
+
+
+def _write_tables(tables, writes):
+    """``tables[row, column] = block`` for each ``[3, n]`` write (an out-of-range row: padding)."""
+    return tables.at[writes[0], writes[1]].set(writes[2], mode="drop")
+
+
+@functools.cache
+def _jit_table_writes(mesh):
+    """``_write_tables`` jitted for one device mesh (tables donated; replicated on a mesh)."""
+    if mesh is None:
+        return jax.jit(_write_tables, donate_argnums=0)
+    rep = parallel.replicated(mesh)
+    return jax.jit(_write_tables, donate_argnums=0, in_shardings=(rep, rep), out_shardings=rep)
 
 
 def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
                prev_tokens=None, num_logits=None):
-    """The jitted step and its arguments."""
+    """The jitted step and its arguments (``md.block_tables`` is the rows' tables)."""
     m = StepModel.of(module, params)
-    packed, layout = _pack_inputs(input_ids, positions, md, logits_indices, prev_index, num_logits)
-    return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed, prev_tokens)
+    R, W = np.shape(md.block_tables)
+    packed, layout = _pack_inputs(input_ids, positions, md, logits_indices, np.arange(R), W, prev_index, num_logits)
+    return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed,
+                                                      md.block_tables, prev_tokens)
 
 
 def step_fn(*args, **kwargs):
@@ -267,7 +299,7 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
     return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
-def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_pages, packed, row_steps,
+def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_pages, packed, tables, row_steps,
            prev_tokens, sampling):
     """``num_steps`` decode steps of a batch of one-token rows (each a sequence's next token) in one
     program: each step's forward writes the rows' K/V and samples their next tokens, which are the
@@ -278,7 +310,7 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
     the next step's in-flight token array, as ``sample_fn`` does for one step. The same per-step
     arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
     step would."""
-    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout)
+    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     T, S = input_ids.shape[0], sampling.temperature.shape[0]
@@ -313,7 +345,7 @@ def _jit_steps(mesh):
         return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",))
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep, rep), out_shardings=(kv, rep, rep))
+                   in_shardings=(None, kv, rep, rep, rep, rep, rep), out_shardings=(kv, rep, rep))
 
 
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
@@ -342,116 +374,6 @@ def _logprobs_width(n: int) -> int:
     return 0 if n == 0 else MAX_LOGPROBS
 
 
-class SequenceSlots:
-    """The runner's persistent batch: one slot per sequence it has seen and not yet released,
-    holding what the step inputs need of that sequence in numpy rows (grown by doubling).
-
-    Written when a sequence first appears or its block table changes, read by fancy indexing
-    each step, so building a step's arrays costs no Python work per sequence and parameter.
-    """
-
-    def __init__(self, max_blocks_per_seq: int, capacity: int = 64) -> None:
-        self._slot: dict[str, int] = {}
-        self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
-        """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
-        self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
-        self.block_tables = np.zeros((capacity, max_blocks_per_seq), np.int32)
-        self.num_blocks = np.zeros(capacity, np.int32)
-        self.temperature = np.zeros(capacity, np.float32)
-        self.top_k = np.zeros(capacity, np.int32)
-        self.top_p = np.ones(capacity, np.float32)
-        self.min_p = np.zeros(capacity, np.float32)
-        self.presence = np.zeros(capacity, np.float32)
-        self.frequency = np.zeros(capacity, np.float32)
-        self.repetition = np.ones(capacity, np.float32)
-        self.seed = np.zeros(capacity, np.uint64)
-        self.logprobs = np.full(capacity, -1, np.int32)
-        """Top logprobs the sequence asks for per token (-1: none)."""
-        self.chosen_logprobs = np.zeros(capacity, bool)
-        """Its sampled tokens' logprobs are computed (``SamplingParams.needs_logprobs``)."""
-        self.needs_host_lists = np.zeros(capacity, bool)
-        """Penalties, logit bias or min_tokens: per-step lists built from the request itself."""
-        self.prompt_logprobs = np.zeros(capacity, bool)
-        """The sequence scores its prompt positions (``SamplingParams.prompt_logprobs``)."""
-        self.last_sample_row = np.full(capacity, -1, np.int32)
-        """The sampled row of the sequence in the last launched step that sampled it."""
-
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def _grow(self) -> None:
-        old = self.temperature.shape[0]
-        for name, a in vars(self).items():
-            if isinstance(a, np.ndarray):
-                grown = np.zeros((2 * old,) + a.shape[1:], a.dtype)
-                grown[:old] = a
-                setattr(self, name, grown)
-        self._free.extend(range(2 * old - 1, old - 1, -1))
-
-    def slot(self, r: Request) -> int:
-        """The request's slot, filling a new one from the request if it has none."""
-        s = self._slot.get(r.request_id)
-        if s is not None:
-            return s
-        if not self._free:
-            self._grow()
-        s = self._free.pop()
-        self._slot[r.request_id] = s
-        sp = r.sampling_params
-        self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
-            sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p)
-        self.presence[s], self.frequency[s], self.repetition[s] = (
-            sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
-        self.seed[s] = r.seed & _SEED_MASK
-        self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
-        self.chosen_logprobs[s] = sp.needs_logprobs
-        self.needs_host_lists[s] = sp.needs_step_lists
-        self.prompt_logprobs[s] = r.prompt_logprobs is not None
-        self.last_sample_row[s] = -1
-        self.write_table(s, r.block_ids)
-        return s
-
-    def slots(self, reqs: list[Request]) -> np.ndarray:
-        """The requests' slots. A steady decode batch repeats the previous step's requests: that
-        list compares equal by identity in C and its slots are reused (a slot lives as long as its
-        request, so an equal list has the same slots). The list is copied: a caller may reuse it."""
-        if reqs != self._last[0]:
-            self._last = list(reqs), np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
-        return self._last[1]
-
-    def write_table(self, s: int, block_ids: list[int]) -> None:
-        n, old = len(block_ids), self.num_blocks[s]
-        self.block_tables[s, :n] = block_ids
-        if old > n:
-            self.block_tables[s, n:old] = 0
-        self.num_blocks[s] = n
-
-    def update(self, changed: list[TableChange], released: list[str]) -> None:
-        """Forget released sequences; copy the changed block tables of the ones with slots. A table
-        grown by one block (a decode step opening its next block, the common change) costs one
-        entry of a single scatter for all of them."""
-        for rid in released:
-            s = self._slot.pop(rid, None)
-            if s is not None:
-                self._free.append(s)
-        rows, cols, ids = [], [], []
-        num_blocks = self.num_blocks
-        for r, first in changed:
-            s = self._slot.get(r.request_id)
-            if s is None:
-                continue
-            block_ids = r.block_ids
-            if first == len(block_ids) - 1 == num_blocks[s]:
-                rows.append(s)
-                cols.append(first)
-                ids.append(block_ids[first])
-            else:
-                self.write_table(s, block_ids)
-        if rows:
-            self.block_tables[rows, cols] = ids
-            num_blocks[rows] = np.add(cols, 1)
-
-
 _copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
 _gather_blocks = jax.jit(gather_blocks)
 _scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
@@ -465,7 +387,7 @@ class ModelRunner:
                  num_host_blocks: int = 0):
         # Under tensor parallelism (the module carries a mesh) params go into their shards and the
         # KV pages are created split on the kv-head axis; otherwise both live on the default device.
-        mesh = getattr(model.module, "mesh", None)
+        mesh = self._mesh = getattr(model.module, "mesh", None)
         self.model = dataclasses.replace(model, params=parallel.place_params(model.params, mesh))
         self._step_model = StepModel.of(self.model.module, self.model.params)
         self.block_size = block_size
@@ -482,7 +404,11 @@ class ModelRunner:
         # Host page pool for swapped-out blocks (preemption_mode="swap"); zeros are allocated lazily.
         self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
                                    self.kv_pages.dtype)
-        self.slots = SequenceSlots(self.max_blocks_per_seq)
+        # A step runs at most ``max_rows`` sequences: the device block tables have a row for each.
+        self.slots = SequenceSlots(self.max_blocks_per_seq, num_device_rows=self.max_rows)
+        table_shape = (self.max_rows, self.max_blocks_per_seq)
+        self._tables = (jnp.zeros(table_shape, jnp.int32) if mesh is None else
+                        parallel.zeros(table_shape, jnp.int32, parallel.replicated(mesh)))
         # The last launched step's sampled tokens (fixed shape): in-flight decode inputs come from here.
         self._prev_tokens = (jnp.zeros(self.max_rows, jnp.int32) if mesh is None else
                              parallel.zeros((self.max_rows,), jnp.int32, parallel.replicated(mesh)))
@@ -555,11 +481,11 @@ class ModelRunner:
         positions = np.zeros(T_b, np.int32)
         positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
         input_ids, prev_index = self._token_ids(reqs, slots, starts, n, out.num_host_tokens, qsl, T_b)
-        block_tables = np.zeros((R_b, W_b), np.int32)
-        block_tables[:R] = slots_state.block_tables[slots, :W_b]
+        table_rows = _padded(slots_state.device_rows(slots), R_b, 0)
         slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
         pos = positions[:T]
-        slot_mapping[:T] = block_tables[row_of_tok, pos // self.block_size] * self.block_size + pos % self.block_size
+        slot_mapping[:T] = (slots_state.block_tables[slots[row_of_tok], pos // self.block_size] * self.block_size
+                            + pos % self.block_size)
         seq_lens_b = np.zeros(R_b, np.int32)
         seq_lens_b[:R] = seq_lens
         if self.gathers_pages:
@@ -569,7 +495,7 @@ class ModelRunner:
             tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
         else:
             tile, (tile_row, tile_start, tile_len) = 1, (np.zeros(0, np.int32),) * 3
-        md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_b,
+        md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=None, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
                                tile_len=tile_len, tile_size=tile)
         prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(
@@ -594,8 +520,22 @@ class ModelRunner:
             samples = np.fromiter(out.samples, bool, R)
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
-        return StepBatch(input_ids, positions, md, logits_indices, prev_index, sampling, targets, prompt_rows, S,
-                         flags, out.num_steps, row_steps)
+        return StepBatch(input_ids, positions, md, table_rows, W_b, self._table_write_chunks(), logits_indices,
+                         prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
+
+    def _table_write_chunks(self) -> list[np.ndarray]:
+        """The queued device block-table writes, in padded chunks (padding rows are out of range)."""
+        writes = self.slots.take_table_writes()
+        if writes is None:
+            return []
+        chunks = []
+        for at in range(0, writes.shape[1], MAX_TABLE_WRITES):
+            part = writes[:, at:at + MAX_TABLE_WRITES]
+            chunk = np.full((3, _bucket(part.shape[1], MAX_TABLE_WRITES, floor=MIN_TABLE_WRITES)), self.max_rows,
+                            np.int32)
+            chunk[:, :part.shape[1]] = part
+            chunks.append(chunk)
+        return chunks
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
                    host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -741,20 +681,37 @@ class ModelRunner:
                 logger.debug("compiling step program %s", key)
         # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
         # several times faster than a jax.device_put of the tree.
+        self._write_tables(b.table_writes)
         if b.num_steps > 1:
             m = self._step_model
-            packed, layout = _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.prev_index,
-                                          np.int32(b.num_logits))
-            self.kv_pages, sampled, self._prev_tokens = _jit_steps(getattr(m.statics.module, "mesh", None))(
-                m.statics, layout, b.flags, b.num_steps, self.max_rows, m.leaves, self.kv_pages, packed,
+            packed, layout = self._packed_inputs(b)
+            self.kv_pages, sampled, self._prev_tokens = _jit_steps(self._mesh)(
+                m.statics, layout, b.flags, b.num_steps, self.max_rows, m.leaves, self.kv_pages, packed, self._tables,
                 b.row_steps, self._prev_tokens, b.sampling)
             return LaunchedStep(sampled, None, b.prompt_rows, b.num_rows, b.num_steps)
-        self.kv_pages, logits = step_fn(self.model.module, self._step_model, self.kv_pages, b.input_ids, b.positions,
-                                        b.md, b.logits_indices, b.prev_index, self._prev_tokens,
-                                        np.int32(b.num_logits))
+        forward, args = self.forward_program(b)
+        self.kv_pages, logits = forward(*args)
         sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
                                                        num_token_slots=self.max_rows)
         return LaunchedStep(sampled, prompt, b.prompt_rows, b.num_rows)
+
+    @staticmethod
+    def _packed_inputs(b: StepBatch) -> tuple[np.ndarray, _InputLayout]:
+        return _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
+                            b.prev_index, np.int32(b.num_logits))
+
+    def forward_program(self, b: StepBatch) -> tuple[Any, tuple]:
+        """The jitted forward program of a one-step batch and its arguments, as ``run_batch`` calls it
+        (``-> (kv_pages, logits)``, KV donated; the batch's ``table_writes`` must be applied first)."""
+        m = self._step_model
+        packed, layout = self._packed_inputs(b)
+        return _jit_step(self._mesh), (m.statics, layout, m.leaves, self.kv_pages, packed, self._tables,
+                                       self._prev_tokens)
+
+    def _write_tables(self, chunks: list[np.ndarray]) -> None:
+        """Apply padded block-table writes to the device tables (donated: updated in place)."""
+        for chunk in chunks:
+            self._tables = _jit_table_writes(self._mesh)(self._tables, chunk)
 
     @staticmethod
     def collect(step: LaunchedStep) -> StepOutput:
@@ -785,17 +742,21 @@ class ModelRunner:
                         self.model.module.attention_backend)
             return 0
         before = self.num_compiled_programs
+        U_b = MIN_TABLE_WRITES
+        while U_b <= MAX_TABLE_WRITES:
+            self._write_tables([np.full((3, U_b), self.max_rows, np.int32)])
+            U_b *= 2
         empty = np.zeros(0, np.int32)
         for T_b in self.token_buckets:
             R_b = self.row_bucket(T_b)
-            md = AttentionMetadata(slot_mapping=np.full(T_b, PAD_SLOT, np.int32),
-                                   block_tables=np.zeros((R_b, self.max_blocks_per_seq), np.int32),
+            md = AttentionMetadata(slot_mapping=np.full(T_b, PAD_SLOT, np.int32), block_tables=None,
                                    seq_lens=np.zeros(R_b, np.int32), query_start_loc=np.zeros(R_b + 1, np.int32),
                                    tile_row=empty, tile_start=empty, tile_len=empty, tile_size=1)
             sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
                 batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
-                                  np.full(T_b, -1, np.int32), sampling, empty, empty, 0, flags)
+                                  self.max_blocks_per_seq, [], np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
+                                  sampling, empty, empty, 0, flags)
                 self.collect(self.run_batch(batch))
                 if num_steps > 1 and T_b <= self.token_bucket(self.max_num_seqs):
                     self.collect(self.run_batch(dataclasses.replace(batch, num_steps=num_steps,

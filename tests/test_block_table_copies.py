@@ -1,19 +1,23 @@
 """The runner's copies of the block tables (``SequenceSlots``) follow the KV-cache manager's tables
 through every kind of change it reports (growth, copy-on-write, fork, swap, free), whatever the
-order: a stateful random test against the requests' own ``block_ids``."""
+order: a stateful random test against the requests' own ``block_ids``. So does the device copy,
+replayed here in numpy from the writes the slots queue, for the sequences a "step" runs, with
+fewer device rows than sequences so that rows are taken from idle sequences and given back."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxpaged.kv_cache_manager import KVCacheManager
-from jaxpaged.model_runner import SequenceSlots
+from jaxpaged.sequence_slots import SequenceSlots
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
 MAX_BLOCKS = 12
+DEVICE_ROWS = 3
 
 
 class TableCopiesMachine(RuleBasedStateMachine):
@@ -24,7 +28,8 @@ class TableCopiesMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]))
     def setup(self, block_size: int) -> None:
         self.kv = KVCacheManager(48, block_size, num_host_blocks=24)
-        self.slots = SequenceSlots(MAX_BLOCKS, capacity=2)
+        self.slots = SequenceSlots(MAX_BLOCKS, capacity=2, num_device_rows=DEVICE_ROWS)
+        self.device = np.zeros((DEVICE_ROWS, MAX_BLOCKS), np.int32)     # what the device would hold
         self.live: list[Request] = []       # requests with a slot
         self.released: list[str] = []
         self.counter = 0
@@ -46,6 +51,14 @@ class TableCopiesMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.live))
         if not req.host_block_ids:
             self._grow(req, num_new)
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def decode(self) -> None:
+        """Every sequence grows by one token, as a decode step does: some open a block at once."""
+        for req in self.live:
+            if not req.host_block_ids:
+                self._grow(req, 1)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -111,6 +124,24 @@ class TableCopiesMachine(RuleBasedStateMachine):
             assert self.slots.block_tables[s, :n].tolist() == req.block_ids
             assert not self.slots.block_tables[s, n:].any()
         assert len(self.slots) == len(self.live)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A step runs up to ``DEVICE_ROWS`` live sequences: each reads its table from its device row."""
+        self.slots.update(self.kv.take_changed_tables(), self.released)
+        self.released = []
+        running = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=DEVICE_ROWS, unique=True))
+        slots = np.array([self.slots.slot(r) for r in running], np.int32)
+        rows = self.slots.device_rows(slots)
+        assert len(set(rows.tolist())) == len(rows) and rows.min() >= 0 and rows.max() < DEVICE_ROWS
+        writes = self.slots.take_table_writes()
+        if writes is not None:
+            keys = writes[0] * MAX_BLOCKS + writes[1]
+            assert len(set(keys.tolist())) == len(keys)     # a scatter's order among duplicates is undefined
+            self.device[writes[0], writes[1]] = writes[2]
+        for req, row in zip(running, rows.tolist()):
+            assert self.device[row, :len(req.block_ids)].tolist() == req.block_ids, req.request_id
 
     def teardown(self) -> None:
         for req in getattr(self, "live", []):

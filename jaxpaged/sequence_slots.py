@@ -1,0 +1,205 @@
+"""The runner's persistent batch: per-sequence rows of step inputs, kept across steps.
+
+Every sequence the runner has seen and not yet released holds a slot: a row of numpy arrays
+(its block table, its sampling parameters, the row it last sampled at) written when the
+sequence arrives or its blocks change and gathered by slot each step, so building a step's
+arrays costs no Python work per sequence and parameter.
+
+The block tables also live on the device, as vLLM keeps them on the GPU: a fixed number of
+device rows, one per sequence a step runs, updated by the entries that changed (a decode step
+opening its next block changes one entry of its row). The step reads its rows' tables there,
+so the host sends a row index per sequence instead of ``max_model_len / block_size`` entries
+(1024 at SmolLM2's 8192 positions and block size 8). Pure numpy: the runner owns the device
+array and applies the writes this module queues (``take_table_writes``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpaged.kv_cache_manager import TableChange
+from jaxpaged.request import Request
+
+_SEED_MASK = (1 << 64) - 1
+
+
+class SequenceSlots:
+    """One slot per live sequence (grown by doubling), and ``num_device_rows`` rows of the
+    device copy of the block tables lent to the slots that steps run.
+
+    A slot gets a device row when a step first runs it (``device_rows``), queueing a write of its
+    whole table there, and keeps it until released; when all rows are lent, a step takes them
+    from slots it does not run (a preempted sequence), which get a row again when they run.
+    Entries of a device row past its sequence's blocks are stale, never zeroed: a step reads a
+    row's table only up to its sequence length, and a stale entry is still a valid block id.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, capacity: int = 64, num_device_rows: int = 0) -> None:
+        self._slot: dict[str, int] = {}
+        self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
+        """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
+        self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
+        self.block_tables = np.zeros((capacity, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(capacity, np.int32)
+        self.device_row = np.full(capacity, -1, np.int32)
+        """The slot's row of the device block tables (-1: none)."""
+        self.temperature = np.zeros(capacity, np.float32)
+        self.top_k = np.zeros(capacity, np.int32)
+        self.top_p = np.ones(capacity, np.float32)
+        self.min_p = np.zeros(capacity, np.float32)
+        self.presence = np.zeros(capacity, np.float32)
+        self.frequency = np.zeros(capacity, np.float32)
+        self.repetition = np.ones(capacity, np.float32)
+        self.seed = np.zeros(capacity, np.uint64)
+        self.logprobs = np.full(capacity, -1, np.int32)
+        """Top logprobs the sequence asks for per token (-1: none)."""
+        self.chosen_logprobs = np.zeros(capacity, bool)
+        """Its sampled tokens' logprobs are computed (``SamplingParams.needs_logprobs``)."""
+        self.needs_host_lists = np.zeros(capacity, bool)
+        """Penalties, logit bias or min_tokens: per-step lists built from the request itself."""
+        self.prompt_logprobs = np.zeros(capacity, bool)
+        """The sequence scores its prompt positions (``SamplingParams.prompt_logprobs``)."""
+        self.last_sample_row = np.full(capacity, -1, np.int32)
+        """The sampled row of the sequence in the last launched step that sampled it."""
+        self._row_owner: list[int] = [-1] * num_device_rows
+        """The slot holding each device row (-1: free). A list: ``_grow`` must not resize it."""
+        self._free_rows = list(range(num_device_rows - 1, -1, -1))
+        self._table_writes: list[np.ndarray] = []
+        """Queued ``[3, n]`` (device row, column, block id) writes, in order."""
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def _grow(self) -> None:
+        old = self.temperature.shape[0]
+        for name, a in vars(self).items():
+            if isinstance(a, np.ndarray):
+                grown = np.zeros((2 * old,) + a.shape[1:], a.dtype)
+                grown[:old] = a
+                setattr(self, name, grown)
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def slot(self, r: Request) -> int:
+        """The request's slot, filling a new one from the request if it has none."""
+        s = self._slot.get(r.request_id)
+        if s is not None:
+            return s
+        if not self._free:
+            self._grow()
+        s = self._free.pop()
+        self._slot[r.request_id] = s
+        sp = r.sampling_params
+        self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
+            sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p)
+        self.presence[s], self.frequency[s], self.repetition[s] = (
+            sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+        self.seed[s] = r.seed & _SEED_MASK
+        self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
+        self.chosen_logprobs[s] = sp.needs_logprobs
+        self.needs_host_lists[s] = sp.needs_step_lists
+        self.prompt_logprobs[s] = r.prompt_logprobs is not None
+        self.last_sample_row[s] = -1
+        self.device_row[s] = -1
+        self.write_table(s, r.block_ids)
+        return s
+
+    def slots(self, reqs: list[Request]) -> np.ndarray:
+        """The requests' slots. A steady decode batch repeats the previous step's requests: that
+        list compares equal by identity in C and its slots are reused (a slot lives as long as its
+        request, so an equal list has the same slots). The list is copied: a caller may reuse it."""
+        if reqs != self._last[0]:
+            self._last = list(reqs), np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
+        return self._last[1]
+
+    def write_table(self, s: int, block_ids: list[int]) -> None:
+        n, old = len(block_ids), self.num_blocks[s]
+        self.block_tables[s, :n] = block_ids
+        if old > n:
+            self.block_tables[s, n:old] = 0
+        self.num_blocks[s] = n
+        d = self.device_row[s]
+        if d >= 0 and n:
+            self._queue_rows(np.array([s]), np.array([d]))
+
+    def update(self, changed: list[TableChange], released: list[str]) -> None:
+        """Forget released sequences; copy the changed block tables of the ones with slots. A table
+        grown by one block (a decode step opening its next block, the common change) costs one
+        entry of a single scatter for all of them, on the host and on the device."""
+        for rid in released:
+            s = self._slot.pop(rid, None)
+            if s is not None:
+                self._free.append(s)
+                self._drop_row(s)
+        rows, cols, ids = [], [], []
+        num_blocks = self.num_blocks
+        for r, first in changed:
+            s = self._slot.get(r.request_id)
+            if s is None:
+                continue
+            block_ids = r.block_ids
+            if first == len(block_ids) - 1 == num_blocks[s]:
+                rows.append(s)
+                cols.append(first)
+                ids.append(block_ids[first])
+            else:
+                self.write_table(s, block_ids)
+        if rows:
+            self.block_tables[rows, cols] = ids
+            num_blocks[rows] = np.add(cols, 1)
+            d = self.device_row[rows]
+            held = d >= 0
+            if held.all():
+                self._table_writes.append(np.array([d, cols, ids], np.int32))
+            elif held.any():
+                self._table_writes.append(np.array([d, cols, ids], np.int32)[:, held])
+
+    def device_rows(self, slots: np.ndarray) -> np.ndarray:
+        """The device rows of ``slots`` (one step's sequences, distinct), lending a row to each slot
+        without one and queueing its table's write there."""
+        rows = self.device_row[slots]
+        if rows.min(initial=0) >= 0:
+            return rows
+        missing = slots[rows < 0]
+        short = len(missing) - len(self._free_rows)
+        if short > 0:
+            running = set(slots.tolist())
+            idle = [s for s in self._row_owner if s >= 0 and s not in running]
+            if len(idle) < short:
+                raise RuntimeError(f"a step runs {len(slots)} sequences but the device block tables have "
+                                   f"{len(self._row_owner)} rows")
+            for s in idle[:short]:
+                self._drop_row(s)
+        lent = np.array([self._free_rows.pop() for _ in range(len(missing))], np.int32)
+        for s, d in zip(missing.tolist(), lent.tolist()):
+            self._row_owner[d] = s
+        self.device_row[missing] = lent
+        self._queue_rows(missing, lent)
+        return self.device_row[slots]
+
+    def take_table_writes(self) -> np.ndarray | None:
+        """The queued device-table writes as one ``[3, n]`` array (None: no write), each entry
+        written once (the last queued value of an entry wins, as it would written in order)."""
+        writes, self._table_writes = self._table_writes, []
+        if len(writes) <= 1:
+            return writes[0] if writes else None
+        w = np.concatenate(writes, axis=1)
+        key = w[0].astype(np.int64) * self.block_tables.shape[1] + w[1]
+        _, last = np.unique(key[::-1], return_index=True)
+        return w[:, len(key) - 1 - last]
+
+    def _queue_rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Queue writes of the slots' whole tables to their device rows."""
+        n = self.num_blocks[slots]
+        total = int(n.sum())
+        if not total:
+            return
+        src = np.repeat(slots, n)
+        cols = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        self._table_writes.append(np.array([np.repeat(rows, n), cols, self.block_tables[src, cols]], np.int32))
+
+    def _drop_row(self, s: int) -> None:
+        d = self.device_row[s]
+        if d >= 0:
+            self._row_owner[d] = -1
+            self._free_rows.append(int(d))
+            self.device_row[s] = -1
