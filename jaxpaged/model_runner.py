@@ -47,9 +47,9 @@ MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
-# Device block-table writes go in chunks of a power-of-two bucket between these (all compiled at
-# start-up): a decode step of 256 rows at block size 8 writes ~32 entries.
-MIN_TABLE_WRITES, MAX_TABLE_WRITES = 64, 4096
+# Device block-table writes go in chunks padded to 64, 256, 1024 or 4096 entries (each size a
+# program compiled at start-up): a decode step of 256 rows at block size 8 writes ~32 entries.
+TABLE_WRITE_SIZES = (64, 256, 1024, 4096)
 _PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
                    "engine scheduled past an in-flight step)")
 # Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
@@ -528,11 +528,10 @@ class ModelRunner:
         writes = self.slots.take_table_writes()
         if writes is None:
             return []
-        chunks = []
-        for at in range(0, writes.shape[1], MAX_TABLE_WRITES):
-            part = writes[:, at:at + MAX_TABLE_WRITES]
-            chunk = np.full((3, _bucket(part.shape[1], MAX_TABLE_WRITES, floor=MIN_TABLE_WRITES)), self.max_rows,
-                            np.int32)
+        chunks, largest = [], TABLE_WRITE_SIZES[-1]
+        for at in range(0, writes.shape[1], largest):
+            part = writes[:, at:at + largest]
+            chunk = np.full((3, next(u for u in TABLE_WRITE_SIZES if u >= part.shape[1])), self.max_rows, np.int32)
             chunk[:, :part.shape[1]] = part
             chunks.append(chunk)
         return chunks
@@ -742,10 +741,7 @@ class ModelRunner:
                         self.model.module.attention_backend)
             return 0
         before = self.num_compiled_programs
-        U_b = MIN_TABLE_WRITES
-        while U_b <= MAX_TABLE_WRITES:
-            self._write_tables([np.full((3, U_b), self.max_rows, np.int32)])
-            U_b *= 2
+        self._write_tables([np.full((3, u), self.max_rows, np.int32) for u in TABLE_WRITE_SIZES])
         empty = np.zeros(0, np.int32)
         for T_b in self.token_buckets:
             R_b = self.row_bucket(T_b)
