@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     kinds: dict[str, str] = {}
     forwards = []
     for b in batches.values():
-        program, args = runner.forward_program(b)
-        forward = program.lower(*args)
+        program, call_args = runner.forward_program(b)
+        forward = program.lower(*call_args)
         forwards.append(forward.compile().as_text())
         sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
                                   num_token_slots=runner.max_rows).compile().as_text()

@@ -207,6 +207,24 @@ def test_profile_shares_overlapping_ops_and_maps_hlo_names():
     assert launches == 2
 
 
+def test_profile_runs_end_to_end_and_finds_the_programs_it_ran(tmp_path, monkeypatch):
+    """``profile`` lowers the runner's own forward and sampler programs to name the traced ops:
+    ops of each kind it tells apart show up, and the kinds account for no more than the wall."""
+    import json
+
+    import benchmarks.common
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
+    model = benchmarks.common.tiny_model_dir(49152, path=tmp_path / "tiny")  # the workload's token ids
+    path = profile.main(["--model", str(model), "--n", "2", "--max-num-seqs", "2", "--trace-dir",
+                         str(tmp_path / "trace")])
+    result = json.loads(path.read_text())
+    by_kind = result["by_kind_ms"]
+    assert result["steps"] > 0
+    assert by_kind.get("attention (native)", 0) > 0 and by_kind.get("sampler", 0) > 0, by_kind
+    assert 0 < result["device_busy_ms"] <= result["wall_ms"]
+
+
 @pytest.mark.parametrize("vectorized", [True, False])
 def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monkeypatch):
     """float32 "auto" and "gguf" are the same engine where the native matmul is built for vectors
