@@ -44,11 +44,11 @@ class Router:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.slack = slack
-        self._home: OrderedDict[bytes, int] = OrderedDict()    # first-block digest -> replica, LRU
+        self._home: OrderedDict[int, int] = OrderedDict()    # first-block hash -> replica, LRU
         self.num_routed = [0] * num_replicas
         self.num_prefix_routed = 0
 
-    def _key(self, token_ids: Sequence[int], cache_salt: str | None) -> bytes | None:
+    def _key(self, token_ids: Sequence[int], cache_salt: str | None) -> int | None:
         if self.block_size is None or len(token_ids) < self.block_size:
             return None
         return hash_block(root_hash(cache_salt), list(token_ids[:self.block_size]))

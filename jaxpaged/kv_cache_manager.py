@@ -5,17 +5,20 @@ step, so it must be cheap and must never touch the device. The device-side page 
 is indexed by the block ids handed out here; block 0 is reserved as the null block that
 padding rows point at, so it is never given to a request.
 
-Automatic prefix caching: every full block is identified by a SHA-256 digest chained
-over (parent block's digest, the block's token ids), with a per-request salt folded into
-the chain's root. A new request reuses the physical blocks of its longest cached prefix
-(ref count + 1) and computes only the rest. Freed blocks keep their contents and their
-digest: a block reaching ref count 0 goes to the *tail* of an ordered free queue while
-allocation pops from the *head*, so the least recently freed block is evicted first (LRU),
-and a request's blocks are freed last-block-first so its shared prefix outlives its tail.
-A hit is also verified exactly: the cached block's token ids must equal the request's,
-and its parent must be the very block (same physical id, not overwritten since) that the
-request matched one step earlier; so even a digest collision cannot hand a request
-another prefix's KV.
+Automatic prefix caching: every full block is identified by a hash chained over (parent
+block's hash, the block's token ids), rooted in a SHA-256 digest of the request's salt. A
+new request reuses the physical blocks of its longest cached prefix (ref count + 1) and
+computes only the rest. Freed blocks keep their contents and their hash: a block reaching
+ref count 0 goes to the *tail* of an ordered free queue while allocation pops from the
+*head*, so the least recently freed block is evicted first (LRU), and a request's blocks
+are freed last-block-first so its shared prefix outlives its tail.
+A hit is verified exactly: the cached block's token ids must equal the request's, and its
+parent must be the very block (same physical id, not overwritten since) that the request
+matched one step earlier, or for a first block the request's own root digest; so a hash
+collision cannot hand a request another prefix's KV, and the chain's hash need not resist
+collisions: it is Python's 64-bit tuple hash (a SHA-256 digest a block cost 2-3 us more, at
+32 new full blocks a decode step with 256 running requests). A collision only costs a hit:
+the first block published under a hash keeps it.
 
 Sharing between sequences (parallel samples, beams): ``fork`` gives a child the parent's
 block table with every block's ref count + 1, including a partly filled last block. The
@@ -32,7 +35,6 @@ device blocks; both return the (src, dst) pairs the runner copies before the ste
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -44,19 +46,22 @@ from jaxpaged.request import Request
 NULL_BLOCK_ID = 0
 """Reserved block that padding rows of a batch point at; never handed out."""
 
-BlockHash = bytes
-ParentKey = bytes | tuple[int, int]
+BlockHash = int
+RootDigest = bytes
+ParentKey = RootDigest | tuple[int, int]
 """What a cached block was computed after: the chain root's digest for a first block, else
 (parent block id, parent generation)."""
 
 
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Chained digest of one full block: collision-resistant, so equal digests mean equal prefixes."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def hash_block(parent: BlockHash | RootDigest, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block, after its parent's hash (the root digest for a first block).
+    Not collision-resistant: a hit is verified token by token (see the module docstring)."""
+    return hash((parent, *token_ids))
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
-    """The chain's root: requests with different salts never share a block."""
+def root_hash(cache_salt: str | None) -> RootDigest:
+    """The chain's root, compared in full on every first-block hit: requests with different salts
+    never share a block."""
     return hashlib.sha256(b"jaxpaged-prefix-root" + (cache_salt or "").encode()).digest()
 
 
@@ -159,7 +164,7 @@ class BlockPool:
         return b
 
     def cache(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], parent: ParentKey) -> None:
-        """Publish a full block under its digest; an existing entry for the digest is kept."""
+        """Publish a full block under its hash; an existing entry for the hash is kept."""
         if self._block_key[block_id] is None and block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self._block_key[block_id] = (block_hash, tuple(token_ids), parent)
@@ -279,7 +284,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
-        # Per request: digests of its full blocks so far, and how many of them are published.
+        # Per request: hashes of its full blocks so far, and how many of them are published.
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_published: dict[str, int] = {}
 
@@ -470,7 +475,7 @@ class KVCacheManager:
         return request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
 
     def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
-        """The request's chained block digests, extended (never recomputed) to at least ``num_full``;
+        """The request's chained block hashes, extended (never recomputed) to at least ``num_full``;
         the request's own list (it may hold more), not a copy."""
         hashes = self._hashes.setdefault(request.request_id, [])
         parent = hashes[-1] if hashes else root_hash(request.cache_salt)
@@ -482,22 +487,28 @@ class KVCacheManager:
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every block that is full once this step's tokens are written, as far as their token
         ids are known (an output token still in flight is published with a later step)."""
-        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        prompt, outputs = request.prompt_token_ids, request.output_token_ids
+        p = len(prompt)
+        known = p + len(outputs)
         bs, rid = self.block_size, request.request_id
         num_full = (num_tokens if num_tokens < known else known) // bs
         done = self._num_published.get(rid, 0)
         if num_full <= done:
             return
         # One pass (a decode step's new block publishes one): each block's tokens read once, for
-        # its digest (if not yet computed: the digests may run ahead, from a prefix lookup) and its entry.
-        # On the decode step's path, so ``_block_tokens`` and the lookups are inlined (~1 us of ~10 a block).
+        # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
+        # A decode step at 256 running requests publishes 32 blocks (block size 8), so
+        # ``token_ids_slice`` and ``_parent_key`` are inlined here.
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = self._hashes[rid] = []
-        block_ids, pool, token_ids = request.block_ids, self.pool, request.token_ids_slice
+        block_ids, pool, hash_fn = request.block_ids, self.pool, self._hash_fn
+        root = root_hash(request.cache_salt) if done == 0 else None
         for i in range(done, num_full):
-            tokens = token_ids(i * bs, i * bs + bs)
+            a = i * bs
+            b = a + bs
+            tokens = prompt[a:b] if b <= p else outputs[a - p:b - p] if a >= p else prompt[a:] + outputs[:b - p]
             if i == len(hashes):
-                hashes.append(self._hash_fn(hashes[-1] if i else root_hash(request.cache_salt), tokens))
-            pool.cache(block_ids[i], hashes[i], tokens, self._parent_key(request, block_ids, i))
+                hashes.append(hash_fn(hashes[-1] if i else root, tokens))
+            pool.cache(block_ids[i], hashes[i], tokens, pool.parent_key(block_ids[i - 1]) if i else root)
         self._num_published[rid] = num_full

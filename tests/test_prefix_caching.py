@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.kv_cache_manager import KVCacheManager, hash_block
 from jaxpaged.request import Request
 from tiny_models import hf_greedy
 
@@ -64,8 +64,12 @@ def test_freed_blocks_stay_cached_until_evicted_lru(filler_blocks, expected_hit)
     assert compute(kv, make("c", range(32))) == expected_hit
 
 
-def test_different_salts_never_share():
-    kv = KVCacheManager(32, BS, enable_caching=True)
+@pytest.mark.parametrize("hash_fn", [hash_block, lambda parent, tokens: hash(tuple(tokens))],
+                         ids=["chained", "root_blind"])
+def test_different_salts_never_share(hash_fn):
+    # root_blind: the salt never reaches the hash, so only the exact check of a first block's root
+    # digest keeps tenants apart.
+    kv = KVCacheManager(32, BS, enable_caching=True, hash_fn=hash_fn)
     compute(kv, make("a", range(40), salt="tenant-1"))
     assert compute(kv, make("b", range(40), salt="tenant-2")) == 0
     assert compute(kv, make("c", range(40))) == 0
