@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.workload import WorkloadRequest, synthetic
+from benchmarks.workload import WorkloadRequest, model_flops, synthetic
 from jaxpaged.config import keeps_quantized_blocks
 
 RESULTS = Path(__file__).parent / "results"
@@ -51,7 +51,7 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
             f"{', XLA dot' if matmul == 'xla' else ''}{f', {k} steps' if k > 1 else ''})")
     return {"system": name, "quantized_weights": quantized, "load_s": load_s, "warmup_s": e.warmup_time,
             "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
-            "preemptions": e.scheduler.num_preemptions}
+            "preemptions": e.scheduler.num_preemptions, "model_config": e.runner.model.module.cfg}
 
 
 def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
@@ -112,17 +112,36 @@ def run_vllm(reqs: list[WorkloadRequest], args, dtype: str) -> dict:
     return {**res, "dtype": dtype}
 
 
-def report(name: str, reqs: list[WorkloadRequest], seconds: float) -> dict:
+def report(name: str, reqs: list[WorkloadRequest], seconds: float, model_config) -> dict:
+    """One system's row; "model GFLOP/s" is ``model_flops`` of the requests over the seconds (the
+    model's own arithmetic, the same for every system: padding or recomputation is not credited)."""
     out_tokens = sum(r.output_len for r in reqs)
     all_tokens = out_tokens + sum(len(r.prompt_token_ids) for r in reqs)
     row = {"system": name, "n": len(reqs), "seconds": seconds, "req_per_s": len(reqs) / seconds,
-           "output_tok_per_s": out_tokens / seconds, "total_tok_per_s": all_tokens / seconds}
+           "output_tok_per_s": out_tokens / seconds, "total_tok_per_s": all_tokens / seconds,
+           "model_gflop_per_s": model_flops(reqs, model_config) / seconds / 1e9}
     print(f"{name:<32} {len(reqs):>4} {seconds:>9.1f} {row['req_per_s']:>8.2f} "
-          f"{row['output_tok_per_s']:>12.1f} {row['total_tok_per_s']:>12.1f}")
+          f"{row['output_tok_per_s']:>12.1f} {row['total_tok_per_s']:>12.1f} {row['model_gflop_per_s']:>15.1f}")
     return row
 
 
-HEADER = f"{'system':<32} {'n':>4} {'seconds':>9} {'req/s':>8} {'out tok/s':>12} {'total tok/s':>12}"
+HEADER = (f"{'system':<32} {'n':>4} {'seconds':>9} {'req/s':>8} {'out tok/s':>12} {'total tok/s':>12} "
+          f"{'model GFLOP/s':>15}")
+
+
+def float32_ceiling(reqs: list[WorkloadRequest], model_config) -> dict:
+    """The fastest any float32 system could run ``reqs`` on this CPU: their ``model_flops`` at the
+    fused multiply-add peak of all cores (``benchmarks.ceiling``'s, needs a C++ compiler)."""
+    import os
+    import tempfile
+
+    from benchmarks import ceiling
+
+    with tempfile.TemporaryDirectory() as tmp:
+        peak = float(ceiling.run(ceiling.build(Path(tmp)), "peak", os.cpu_count() or 1)[0][2])
+    seconds = model_flops(reqs, model_config) / (peak * 1e9)
+    return {"fma_peak_gflop_per_s": peak, "seconds": seconds,
+            "output_tok_per_s": sum(r.output_len for r in reqs) / seconds}
 
 
 def main() -> None:
@@ -146,6 +165,9 @@ def main() -> None:
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
     ap.add_argument("--hf-batch-sizes", default="1,8,32", help="HF's figure is its best batch size")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also measure the CPU's float32 fused multiply-add peak and print the workload's "
+                         "useful output tok/s at that peak (needs a C++ compiler)")
     args = ap.parse_args()
 
     reqs = synthetic(args.n, args.seed)
@@ -164,9 +186,10 @@ def main() -> None:
         runs.append(res)
     for dtype in dtypes if "vllm" in args.peer else []:
         runs.append(run_vllm(reqs, args, dtype))
+    cfg = runs[0]["model_config"]
     print(HEADER)
     for res in runs:
-        rows.append({**report(res["system"], reqs, statistics.median(res["seconds"])), "rounds_s": res["seconds"],
+        rows.append({**report(res["system"], reqs, statistics.median(res["seconds"]), cfg), "rounds_s": res["seconds"],
                      **{k: res[k] for k in ("dtype", "load_s", "compiled_programs", "preemptions",
                                             "quantized_weights") if k in res}})
     ours = [r for r in rows if r["system"].startswith("jaxpaged")]
@@ -180,14 +203,25 @@ def main() -> None:
         peer_reqs = reqs[:args.peer_n]
         hf = run_hf(peer_reqs, [int(b) for b in args.hf_batch_sizes.split(",")], args.model)
         print(HEADER)
-        hf_row = report(hf["system"], peer_reqs, hf["seconds"][0])
+        hf_row = report(hf["system"], peer_reqs, hf["seconds"][0], cfg)
         rows.append(hf_row)
         for row in ours:
             row["ratio_over_hf_float32"] = row["output_tok_per_s"] / hf_row["output_tok_per_s"]
             print(f"ratio {row['system']} / HF float32 static batching (useful output tok/s): "
                   f"{row['ratio_over_hf_float32']:.1f}x")
+    ceiling = float32_ceiling(reqs, cfg) if args.ceiling else None
+    if ceiling:
+        print(f"float32 ceiling: the workload's model arithmetic at the CPU's fused multiply-add peak "
+              f"({ceiling['fma_peak_gflop_per_s']:.1f} GFLOP/s) takes {ceiling['seconds']:.1f} s, "
+              f"{ceiling['output_tok_per_s']:.1f} useful output tok/s")
+        for row in (r for r in rows if r.get("dtype") == "float32"):
+            print(f"{row['system']}: {row['output_tok_per_s'] / ceiling['output_tok_per_s']:.0%} of the float32 ceiling")
+        if "hf" in args.peer:
+            print(f"10x HF float32 static batching = {10 * hf_row['output_tok_per_s']:.1f} useful output tok/s, "
+                  f"{10 * hf_row['output_tok_per_s'] / ceiling['output_tok_per_s']:.0%} of the float32 ceiling")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows, "float32_ceiling": ceiling},
+                                                        indent=1))
 
 
 if __name__ == "__main__":

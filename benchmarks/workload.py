@@ -35,6 +35,23 @@ def synthetic(n: int, seed: int = 0, vocab_size: int = 49152, prompt_mean: float
             for p, o in zip(prompt_lens, output_lens)]
 
 
+def model_flops(reqs: list[WorkloadRequest], cfg) -> int:
+    """FLOPs (2 per multiply-add) that the model's own arithmetic takes on ``reqs``, for a decoder
+    config (``models.decoder.DecoderConfig``): each request's prompt and every output but the last
+    pass through all layers (the projections, and attention over the context so far), and each
+    output is sampled from the LM head. Norms, activations, padding and recomputation are not
+    counted: a floor that every exact implementation spends, whatever its batching."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mlp = (3 if cfg.gated_mlp else 2) * h * cfg.intermediate_size
+    per_token = 2 * cfg.num_layers * (h * (q + 2 * kv) + q * h + mlp)
+    per_context = 4 * cfg.num_layers * q          # q.k and p.v for each key of a token's context
+    total = 0
+    for r in reqs:
+        t = len(r.prompt_token_ids) + r.output_len - 1
+        total += t * per_token + per_context * t * (t + 1) // 2 + r.output_len * 2 * cfg.embed_dim * cfg.vocab_size
+    return total
+
+
 TOPICS = ["the history of paper", "how bridges carry load", "why the sea is salty", "a recipe for bread",
           "the rules of chess", "how vaccines work", "the life of bees", "what a compiler does"]
 

@@ -237,3 +237,29 @@ def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monke
     runs = throughput.distinct_engines(["float32", "bfloat16"], ["auto", "gguf", "none"])
     float32 = [("float32", "auto"), ("float32", "none" if vectorized else "gguf")]
     assert runs == float32 + [("bfloat16", "auto"), ("bfloat16", "gguf")]
+
+
+def test_model_flops_counts_what_hf_multiplies(tiny):
+    """The projections and LM head against torch's FLOP counter on the HF model (a forward over a
+    request's prompt and outputs but the last, logits for its outputs only), attention against a
+    sum over the tokens' contexts: the model's arithmetic, independently counted."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.workload import WorkloadRequest, model_flops
+    from models.registry import config_from_hf
+
+    _, hf = tiny
+    _, cfg = config_from_hf(hf.config)
+    reqs = [WorkloadRequest([5, 6, 7, 8, 9], 3), WorkloadRequest([5] * 11, 1)]
+    hf_eager = type(hf)._from_config(hf.config, attn_implementation="eager").eval()
+    total = 0
+    for r in reqs:
+        t = len(r.prompt_token_ids) + r.output_len - 1
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            hf_eager(torch.zeros(1, t, dtype=torch.long), logits_to_keep=r.output_len)
+        # eager attention multiplies every query with every key, masked or not: count the causal part.
+        full_attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * t
+        causal = sum(2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (p + 1) for p in range(t))
+        total += counter.get_total_flops() - full_attention + causal
+    assert model_flops(reqs, cfg) == total
