@@ -14,7 +14,6 @@ is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import time
