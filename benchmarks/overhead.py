@@ -151,6 +151,15 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
         raise ValueError(f"{warmup} + {steps} steps of {k} decode steps each, after {prompt_steps} steps of prompts, "
                          f"do not fit in max_model_len ({engine.max_model_len}) minus the prompt ({prompt_len}): "
                          f"ask for fewer steps or a larger max_model_len")
+    # Every request's blocks through the last timed step must fit in the pool: a preemption would
+    # make a timed step something else than pure decode (the requests prefilled first decode while
+    # the others' prompts run, and one more token may follow before the warmup).
+    block_size = engine.kv_cache_manager.block_size
+    need = num_requests * -(-(prompt_len + prompt_steps + 1 + (warmup + steps) * k) // block_size)
+    have = engine.kv_cache_manager.pool.num_usable_blocks
+    if need > have:
+        raise ValueError(f"{num_requests} requests through {warmup} + {steps} steps of {k} decode steps need about "
+                         f"{need} KV blocks but the pool has {have}: raise --kv-cache-memory or ask for fewer steps")
     rng = np.random.default_rng(seed)
     # As long as possible: the requests prefilled first decode while the others' prompts run.
     sp = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True,

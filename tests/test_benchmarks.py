@@ -148,6 +148,17 @@ def test_overhead_counts_a_group_as_its_decode_steps(tiny):
     assert not engine.has_unfinished_requests()
 
 
+def test_overhead_refuses_a_pool_too_small_for_its_timed_steps(tiny):
+    """8 requests through 1 + 3 groups of 4 decode steps after 8-token prompts hold up to 26 tokens
+    each, 7 blocks of 4: a pool of 23 usable blocks would preempt during the timed steps, so the run
+    is refused up front; 63 hold them."""
+    run = dict(num_requests=8, steps=3, warmup=1, prompt_len=8, output_kind=RequestOutputKind.FINAL_ONLY)
+    with pytest.raises(ValueError, match="KV blocks but the pool has 23"):
+        overhead.measure(_engine(tiny[0], num_scheduler_steps=4, num_gpu_blocks_override=24), **run)
+    timings, _ = overhead.measure(_engine(tiny[0], num_scheduler_steps=4, num_gpu_blocks_override=64), **run)
+    assert [(t.num_requests, t.num_steps) for t in timings] == [(8, 4)] * 3
+
+
 def test_serving_percentiles_and_goodput_on_synthetic_timings():
     a = serving.RequestRecord(10, 4, send_time=0.0, chunk_times=[0.5, 0.6, 0.7, 0.8], end_time=0.8,
                               completion_tokens=4)
