@@ -123,29 +123,39 @@ class SequenceSlots:
 
     def update(self, changed: list[TableChange], released: list[str]) -> None:
         """Forget released sequences; copy the changed block tables of the ones with slots. A table
-        grown by one block (a decode step opening its next block, the common change) costs one
-        entry of a single scatter for all of them, on the host and on the device."""
+        grown by appended blocks (a decode step opening its next block, the common change) costs
+        their entries in a single scatter for all of them, on the host and on the device."""
         for rid in released:
             s = self._slot.pop(rid, None)
             if s is not None:
                 self._free.append(s)
                 self._drop_row(s)
-        rows, cols, ids = [], [], []
+        rows, cols, ids, grown, lengths = [], [], [], [], []
         num_blocks = self.num_blocks
         for r, first in changed:
             s = self._slot.get(r.request_id)
             if s is None:
                 continue
             block_ids = r.block_ids
-            if first == len(block_ids) - 1 == num_blocks[s]:
-                rows.append(s)
-                cols.append(first)
-                ids.append(block_ids[first])
+            n = len(block_ids)
+            if n > first == num_blocks[s]:
+                # Entries appended to the copy's table (a decode step opens one; a multi-step
+                # group of more steps than a block holds, several).
+                if n == first + 1:
+                    rows.append(s)
+                    cols.append(first)
+                    ids.append(block_ids[first])
+                else:
+                    rows += [s] * (n - first)
+                    cols += range(first, n)
+                    ids += block_ids[first:]
+                grown.append(s)
+                lengths.append(n)
             else:
                 self.write_table(s, block_ids)
         if rows:
             self.block_tables[rows, cols] = ids
-            num_blocks[rows] = np.add(cols, 1)
+            num_blocks[grown] = lengths
             d = self.device_row[rows]
             held = d >= 0
             if held.all():
