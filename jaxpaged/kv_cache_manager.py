@@ -487,28 +487,22 @@ class KVCacheManager:
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache every block that is full once this step's tokens are written, as far as their token
         ids are known (an output token still in flight is published with a later step)."""
-        prompt, outputs = request.prompt_token_ids, request.output_token_ids
-        p = len(prompt)
-        known = p + len(outputs)
-        bs, rid = self.block_size, request.request_id
-        num_full = (num_tokens if num_tokens < known else known) // bs
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        rid = request.request_id
+        num_full = (num_tokens if num_tokens < known else known) // self.block_size
         done = self._num_published.get(rid, 0)
         if num_full <= done:
             return
         # One pass (a decode step's new block publishes one): each block's tokens read once, for
         # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
-        # A decode step at 256 running requests publishes 32 blocks (block size 8), so
-        # ``token_ids_slice`` and ``_parent_key`` are inlined here.
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = self._hashes[rid] = []
-        block_ids, pool, hash_fn = request.block_ids, self.pool, self._hash_fn
-        root = root_hash(request.cache_salt) if done == 0 else None
+        block_ids = request.block_ids
         for i in range(done, num_full):
-            a = i * bs
-            b = a + bs
-            tokens = prompt[a:b] if b <= p else outputs[a - p:b - p] if a >= p else prompt[a:] + outputs[:b - p]
+            tokens = self._block_tokens(request, i)
+            parent = self._parent_key(request, block_ids, i)
             if i == len(hashes):
-                hashes.append(hash_fn(hashes[-1] if i else root, tokens))
-            pool.cache(block_ids[i], hashes[i], tokens, pool.parent_key(block_ids[i - 1]) if i else root)
+                hashes.append(self._hash_fn(hashes[-1] if i else parent, tokens))
+            self.pool.cache(block_ids[i], hashes[i], tokens, parent)
         self._num_published[rid] = num_full
