@@ -274,3 +274,23 @@ def test_model_flops_counts_what_hf_multiplies(tiny):
         causal = sum(2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (p + 1) for p in range(t))
         total += counter.get_total_flops() - full_attention + causal
     assert model_flops(reqs, cfg) == total
+
+
+def test_float32_ceiling_is_the_workloads_flops_at_the_measured_peak(tiny, monkeypatch):
+    """``--ceiling``: the peak comes from benchmarks.ceiling's program (here a stand-in printing
+    50 GFLOP/s for all cores), the ceiling is model_flops / peak."""
+    import os
+
+    from benchmarks import ceiling
+    from benchmarks.workload import WorkloadRequest, model_flops
+    from models.registry import config_from_hf
+
+    calls = []
+    monkeypatch.setattr(ceiling, "build", lambda out_dir: out_dir / "ceiling")
+    monkeypatch.setattr(ceiling, "run", lambda exe, *a: calls.append(a) or [["peak", str(a[1]), "50.0"]])
+    _, cfg = config_from_hf(tiny[1].config)
+    reqs = [WorkloadRequest([5] * 7, 4), WorkloadRequest([6] * 3, 9)]
+    got = throughput.float32_ceiling(reqs, cfg)
+    assert calls == [("peak", os.cpu_count() or 1)]
+    assert got["seconds"] == pytest.approx(model_flops(reqs, cfg) / 50e9)
+    assert got["output_tok_per_s"] == pytest.approx(13 / got["seconds"])
