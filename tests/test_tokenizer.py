@@ -19,12 +19,23 @@ texts = st.text(alphabet=ALPHABET, min_size=0, max_size=40)
 chunkings = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=8)
 
 
-@pytest.fixture(params=["rust", "python"])
+def no_byte_table(monkeypatch):
+    monkeypatch.setattr(Tokenizer, "byte_table", lambda self, skip_special_tokens: None)
+
+
+def no_stream(monkeypatch):
+    monkeypatch.setattr(Tokenizer, "decode_stream", lambda self, context, skip_special_tokens: None)
+
+
+@pytest.fixture(params=["bytes", "rust", "python"])
 def detok_path(request, monkeypatch):
-    """Runs a test on both implementations of the window rule: tokenizers' DecodeStream (fast
-    tokenizers) and the Python one (slow tokenizers, or after the stream rejected a step)."""
+    """Runs a test on the three implementations of the window rule: a byte-level tokenizer's byte
+    table, tokenizers' DecodeStream (other fast tokenizers) and the Python one (slow tokenizers,
+    or after the stream rejected a step). A tokenizer that is not byte-level has no "bytes" path."""
+    if request.param != "bytes":
+        no_byte_table(monkeypatch)
     if request.param == "python":
-        monkeypatch.setattr(Tokenizer, "decode_stream", lambda self, context, skip_special_tokens: None)
+        no_stream(monkeypatch)
     return request.param
 
 
@@ -176,7 +187,8 @@ def test_incremental_random_ids_byte_level(smollm2_tokenizer, detok_path, skip_s
 def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
     """Each step of the Python rule decodes a short window, never the whole output."""
     tok = smollm2_tokenizer
-    monkeypatch.setattr(Tokenizer, "decode_stream", lambda self, context, skip_special_tokens: None)
+    no_byte_table(monkeypatch)
+    no_stream(monkeypatch)
     output = tok.encode("The quick brown fox jumps over the lazy dog, 你好 😀. " * 60)
     window_lengths: list[int] = []
     decode = tok.decode
@@ -194,22 +206,66 @@ def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
     assert len(output) > 800 and max(window_lengths) <= 12
 
 
-def test_fast_tokenizer_steps_in_rust(smollm2_tokenizer, monkeypatch):
-    """With a fast tokenizer no step decodes in Python: DecodeStream does the work."""
+@pytest.mark.parametrize("path", ["bytes", "rust"])
+def test_fast_tokenizer_steps_without_python_decodes(smollm2_tokenizer, monkeypatch, path):
+    """With a fast tokenizer no step decodes in Python: the byte table (byte-level BPE), else
+    DecodeStream, does the work; the byte table calls no decoder at all."""
     tok = smollm2_tokenizer
+    if path == "rust":
+        no_byte_table(monkeypatch)
     detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+    assert (detok._bytes is not None) == (path == "bytes")
     calls = []
     monkeypatch.setattr(tok, "decode", lambda *args, **kwargs: calls.append(args))
+    if path == "bytes":
+        monkeypatch.setattr(tok, "backend", None)
     output = tok.encode("Hello, 你好 😀 world.")
     text = "".join(detok.step([t]) for t in output)
     monkeypatch.undo()
     assert calls == [] and text == detok.text == tok.decode(output)
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_table_emits_what_decode_stream_does(smollm2_tokenizer, monkeypatch, skip_special_tokens):
+    """Step for step the byte table emits the deltas tokenizers' DecodeStream emits, on arbitrary
+    ids: lone and stray UTF-8 bytes, characters split over tokens, special tokens, ids past the
+    vocabulary (which decode to nothing)."""
+    tok = smollm2_tokenizer
+    table = tok.byte_table(skip_special_tokens)
+    assert table is not None and len(table) == tok.vocab_size
+    lone_bytes = [i for i, b in enumerate(tok.byte_table(False)) if len(b) == 1 and b[0] >= 0x80]
+    assert len(lone_bytes) > 60                     # continuation bytes and starts of 2-4 byte characters
+    partial_chars = tok.encode("你好世界 ありがとう 😀🚀 한국어")
+    rng = random.Random(99)
+    for _ in range(150):
+        pool = ([rng.randrange(tok.vocab_size) for _ in range(10)] + partial_chars + rng.sample(lone_bytes, 10)
+                + [0, 1, 2, 3, tok.vocab_size + 5])
+        prompt = [rng.choice(pool[:-1]) for _ in range(rng.randrange(0, 8))]
+        output = [rng.choice(pool) for _ in range(rng.randrange(0, 40))]
+        chunk = rng.randrange(1, 4)
+        runs = []
+        for path in ("bytes", "rust"):
+            if path == "rust":
+                no_byte_table(monkeypatch)
+            detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+            assert detok._bytes is not None if path == "bytes" else detok._stream is not None
+            runs.append([detok.step(output[i:i + chunk]) for i in range(0, len(output), chunk)] + [detok.flush()])
+            monkeypatch.undo()
+        assert runs[0] == runs[1], (prompt, output)
+        assert "".join(runs[0]) == tok.decode(output, skip_special_tokens=skip_special_tokens)
+
+
+def test_byte_table_only_for_byte_level_tokenizers(sp_tokenizer):
+    """A sentencepiece-style decoder (metaspace, byte fallback) is not a concatenation of bytes."""
+    assert sp_tokenizer.byte_table(True) is None and sp_tokenizer.byte_table(False) is None
+    assert IncrementalDetokenizer(sp_tokenizer, [])._stream is not None
+
+
 def test_stream_that_fails_mid_output_hands_over_to_python(smollm2_tokenizer, monkeypatch):
     """A stream that rejects a step (tokenizers raises when a decode rewrites the window's text)
     is dropped and the Python rule goes on from the same window: the text is unchanged."""
     tok = smollm2_tokenizer
+    no_byte_table(monkeypatch)
     output = tok.encode("Hello, 你好世界 😀🚀 and more text.")
     for fail_at in range(len(output)):
         detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
