@@ -578,9 +578,9 @@ class LLMEngine:
     @staticmethod
     def _stop_status(req: Request, text: str, before: int) -> RequestStatus | None:
         """vLLM's stop rules, in its order; ``text[before:]`` is the new token's text."""
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens < sp.min_tokens:
+        sp, ids = req.sampling_params, req.output_token_ids
+        num_outputs, token = len(ids), ids[-1]
+        if num_outputs < sp.min_tokens:
             return None
         eos = token == req.eos_token_id and not sp.ignore_eos
         if eos or token in sp.stop_token_ids:
@@ -595,7 +595,7 @@ class LLMEngine:
             req.stop_reason = stop
             req.output_text_end = at + len(stop) if sp.include_stop_str_in_output else at
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        if num_outputs >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -605,36 +605,37 @@ class LLMEngine:
         sp = req.sampling_params
         full = self._detokenizers[req.request_id].text
         end = len(full) if req.output_text_end is None else req.output_text_end
-        if not req.is_finished and sp.stop and not sp.include_stop_str_in_output:
+        if sp.stop and not sp.include_stop_str_in_output and not req.is_finished:
             end -= _stop_prefix_len(full, sp.stop, end)
         delta_text, req.num_text_sent = full[req.num_text_sent:end], end
-        sent, req.num_tokens_sent = req.num_tokens_sent, req.num_output_tokens
-        delta_ids = req.output_token_ids[sent:]
+        ids, sent = req.output_token_ids, req.num_tokens_sent
+        req.num_tokens_sent = len(ids)
+        delta_ids = ids[sent:]
         top = req.output_top_logprobs
         if sp.output_kind is RequestOutputKind.DELTA:       # O(new tokens): nothing old is copied
             text, token_ids, top = delta_text, delta_ids, None if top is None else top[sent:]
         else:
-            text, token_ids, top = full[:end], list(req.output_token_ids), None if top is None else list(top)
-        return CompletionOutput(
-            index=req.sample_index, text=text, token_ids=token_ids,
-            cumulative_logprob=req.cumulative_logprob if sp.needs_logprobs else None, logprobs=top,
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            delta_text=delta_text, delta_token_ids=delta_ids)
+            text, token_ids, top = full[:end], list(ids), None if top is None else list(top)
+        # Positional: a dataclass's keyword call costs twice as much, per sample per step.
+        return CompletionOutput(req.sample_index, text, token_ids,
+                                req.cumulative_logprob if sp.needs_logprobs else None, top,
+                                req.status.finish_reason, req.stop_reason, delta_text, delta_ids)
 
     def _make_output(self, parent: Request) -> RequestOutput | None:
         """The request's output, or None while ``best_of > n`` samples run (the best are only known at
         the end) or while a ``FINAL_ONLY`` request runs."""
-        samples = [parent, *parent.forks]
-        sp = parent.sampling_params
-        finished = all(r.is_finished for r in samples)
+        sp, forks = parent.sampling_params, parent.forks
+        samples = [parent, *forks] if forks else [parent]
+        finished = parent.is_finished and (not forks or all(r.is_finished for r in forks))
         if not finished and (sp.best_of > sp.n or sp.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
         if sp.best_of > sp.n:
             samples = sorted(samples, key=lambda r: r.cumulative_logprob, reverse=True)[:sp.n]
         metrics = {"arrival_time": parent.arrival_time}
-        first = [r.first_token_time for r in samples if r.first_token_time is not None]
-        if first:
-            metrics["first_token_time"] = min(first)
+        first = (parent.first_token_time if not forks else
+                 min((t for r in samples if (t := r.first_token_time) is not None), default=None))
+        if first is not None:
+            metrics["first_token_time"] = first
         if finished:
             metrics["finished_time"] = max(r.finished_time or 0.0 for r in samples)
         prompt_logprobs = parent.prompt_logprobs
@@ -644,5 +645,5 @@ class LLMEngine:
             elif any(r.num_tokens_sent for r in samples):
                 prompt_logprobs = None              # sent with the first output
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             [self._completion(r) for r in samples], finished=finished, metrics=metrics,
-                             prompt_logprobs=prompt_logprobs)
+                             [self._completion(r) for r in samples], finished, metrics,
+                             prompt_logprobs)
