@@ -89,8 +89,9 @@ class Tokenizer:
     def _build_byte_tables(self) -> dict[bool, list[bytes]] | None:
         """A token whose decode alone is whole characters is their UTF-8; one that decodes to U+FFFD
         (part of a character) is spelled in byte-level BPE's alphabet (a character outside it stands
-        for its own UTF-8, as the decoder has it). Kept only if every token decodes alone as its
-        bytes do, with and without special tokens (~0.15 s for 49k tokens)."""
+        for its own UTF-8, as the decoder has it). Up to the largest id, added tokens included. Kept
+        only if every token decodes alone as its bytes do, with and without special tokens (~0.15 s
+        for 49k tokens)."""
         backend = self.backend
         if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
             return None
@@ -101,7 +102,7 @@ class Tokenizer:
                 return b""
             return bytes(alphabet[c] for c in token) if alphabet.keys() >= set(token) else token.encode()
 
-        ids = [[i] for i in range(self.vocab_size)]
+        ids = [[i] for i in range(max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1)]
         tables = {}
         for skip in (False, True):
             alone = backend.decode_batch(ids, skip_special_tokens=skip)
