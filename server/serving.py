@@ -327,8 +327,15 @@ class OpenAIServing:
         Only one output per stream is taken ahead of the reader, so a slow reader leaves the
         streams coalescing outputs instead of queueing them.
         """
-        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(job.streams)}
+        pending: dict[asyncio.Future, int] = {}
         try:
+            if len(job.streams) == 1:           # one prompt: its stream is read directly, no task per output
+                async for out in job.streams[0]:
+                    if out.finished:
+                        job.finals[0] = out
+                    yield 0, out
+                return
+            pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(job.streams)}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
