@@ -255,6 +255,20 @@ def test_byte_table_emits_what_decode_stream_does(smollm2_tokenizer, monkeypatch
         assert "".join(runs[0]) == tok.decode(output, skip_special_tokens=skip_special_tokens)
 
 
+def test_byte_table_covers_ids_past_the_vocabulary_size():
+    """A vocabulary with holes: its largest id (7) is past len(tokenizer) (4) and still decodes;
+    a lone UTF-8 lead byte's token (0xC3, spelled "Ã") is held, then flushed as U+FFFD."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models
+
+    raw = RawTokenizer(models.BPE(vocab={"a": 0, "b": 1, "Ã": 3, "Ġc": 7}, merges=[]))
+    raw.decoder = decoders.ByteLevel()
+    tok = Tokenizer(transformers.PreTrainedTokenizerFast(tokenizer_object=raw))
+    assert tok.vocab_size == 4 and tok.byte_table(False)[7] == b" c" and tok.byte_table(False)[3] == b"\xc3"
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.step([t]) for t in (0, 7, 3)] == ["a", " c", ""] and detok.flush() == "\ufffd"
+    assert detok.text == raw.decode([0, 7, 3]) == "a c\ufffd"
+
+
 def test_byte_table_only_for_byte_level_tokenizers(sp_tokenizer):
     """A sentencepiece-style decoder (metaspace, byte fallback) is not a concatenation of bytes."""
     assert sp_tokenizer.byte_table(True) is None and sp_tokenizer.byte_table(False) is None
