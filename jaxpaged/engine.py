@@ -625,7 +625,7 @@ class LLMEngine:
         """The request's output, or None while ``best_of > n`` samples run (the best are only known at
         the end) or while a ``FINAL_ONLY`` request runs."""
         sp, forks = parent.sampling_params, parent.forks
-        samples = [parent, *forks] if forks else [parent]
+        samples = [parent, *forks]
         finished = parent.is_finished and (not forks or all(r.is_finished for r in forks))
         if not finished and (sp.best_of > sp.n or sp.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
