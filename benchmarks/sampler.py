@@ -97,12 +97,7 @@ def main() -> None:
     batch = runner.prepare(decode_batch(B, args.context, args.block_size))
     runner.collect(runner.run_batch(batch))         # its block tables written to the device
 
-    def forward():
-        program, call_args = runner.forward_program(batch)
-        runner.kv_pages, out = program(*call_args)
-        return out
-
-    fns = {"model forward (decode)": forward}
+    fns = {"model forward (decode)": lambda: runner.forward(batch)}
     fns.update({name: (lambda c=c: sample_fn(c[0], c[1], targets, flags=c[2], num_token_slots=B))
                 for name, c in cases.items()})
     for fn in fns.values():

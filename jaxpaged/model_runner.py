@@ -47,9 +47,13 @@ MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
-# Device block-table writes go in chunks padded to 64, 256, 1024 or 4096 entries (each size a
-# program compiled at start-up): a decode step of 256 rows at block size 8 writes ~32 entries.
+# Device block-table writes: up to a step's row bucket of them go into the step program's inputs (a
+# decode step of 256 rows at block size 8 writes ~32 entries); more (sequences getting a device row,
+# whose whole tables are written) go first through a program of their own, in chunks padded to 64,
+# 256, 1024 or 4096 entries (each size compiled at start-up).
 TABLE_WRITE_SIZES = (64, 256, 1024, 4096)
+# The row of a padding write: out of range, so the scatter drops it (a negative index would wrap).
+_NO_ROW = np.iinfo(np.int32).max
 _PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
                    "engine scheduled past an in-flight step)")
 # Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
@@ -80,8 +84,11 @@ class StepBatch:
     """[R_b] each row's row of the device block tables (padding rows: 0)."""
     table_width: int
     """Leading block-table columns the step reads (all of them, or a context bucket)."""
+    step_table_writes: np.ndarray
+    """``[3, R_b]`` (row, column, block id) writes to the device tables that the step program applies
+    before reading them (padding: row ``_NO_ROW``)."""
     table_writes: list[np.ndarray]
-    """Padded ``[3, U_b]`` (row, column, block id) writes to the device tables, applied first."""
+    """Padded ``[3, U_b]`` further writes, applied by a program of their own before the step."""
     logits_indices: np.ndarray
     prev_index: np.ndarray
     sampling: SamplingTensors
@@ -141,14 +148,15 @@ def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=N
     # The params arrive as a flat tuple (their structure static): flattening SmolLM2's nested dict of
     # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does. The step's int32 inputs arrive
     # packed in one array (``_pack_inputs``): each host array handed to a jitted call is a transfer
-    # of its own, ~5 us each once the device step has evicted the host's caches.
-    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout, tables)
+    # of its own, ~5 us each once the device step has evicted the host's caches. The block tables
+    # are updated here too (donated): a separate program cost a dispatch, ~0.13 ms, per step.
+    input_ids, positions, md, logits_indices, prev_index, num_logits, tables = _unpack_inputs(packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     logits, kv_pages = statics.module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices,
                                             num_logits)
-    return kv_pages, logits
+    return kv_pages, logits, tables
 
 
 _MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
@@ -158,7 +166,7 @@ _MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_s
 class _InputLayout:
     """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions,
     the metadata arrays but the block tables (``_MD_ARRAYS``), the rows' block-table rows,
-    logits_indices, prev_index, num_logits. Static: part of the program's key, with the
+    logits_indices, prev_index, num_logits, the block-table writes. Static: part of the program's key, with the
     metadata's tile size and the block-table columns read."""
 
     shapes: tuple[tuple[int, ...], ...]
@@ -167,32 +175,36 @@ class _InputLayout:
 
 
 def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_width, prev_index=None,
-                 num_logits=None):
+                 num_logits=None, table_writes=None):
     """The step's int32 inputs as one flat host array, and its layout. The block tables go apart
-    (``_unpack_inputs`` reads rows ``table_rows`` of them). No ``prev_index`` means no in-flight
-    token (all -1), no ``num_logits`` every ``logits_indices`` entry."""
+    (``_unpack_inputs`` applies ``table_writes`` to them, then reads rows ``table_rows``). No
+    ``prev_index`` means no in-flight token (all -1), no ``num_logits`` every ``logits_indices``
+    entry, no ``table_writes`` none."""
     if prev_index is None:
         prev_index = np.full(np.shape(input_ids), -1, np.int32)
     if num_logits is None:
         num_logits = np.shape(logits_indices)[0]
+    if table_writes is None:
+        table_writes = np.full((3, 0), _NO_ROW, np.int32)
     arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, *(getattr(md, f) for f in _MD_ARRAYS),
-                                                  table_rows, logits_indices, prev_index, num_logits)]
+                                                  table_rows, logits_indices, prev_index, num_logits, table_writes)]
     return (np.concatenate([a.ravel() for a in arrays]),
             _InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width))
 
 
 def _unpack_inputs(packed, layout: _InputLayout, tables):
-    """``_pack_inputs`` undone inside the program: static slices of the packed array, and the
-    rows' block tables gathered from ``tables``."""
+    """``_pack_inputs`` undone inside the program: static slices of the packed array, the writes
+    applied to ``tables`` (returned), and the rows' block tables gathered from them."""
     arrays, at = [], 0
     for shape in layout.shapes:
         size = math.prod(shape)
         arrays.append(packed[at:at + size].reshape(shape))
         at += size
-    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits = arrays
+    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits, writes = arrays
+    tables = _write_tables(tables, writes)
     md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), block_tables=tables[table_rows, :layout.table_width],
                            tile_size=layout.tile_size)
-    return input_ids, positions, md, logits_indices, prev_index, num_logits
+    return input_ids, positions, md, logits_indices, prev_index, num_logits, tables
 
 
 @functools.cache
@@ -200,16 +212,16 @@ def _jit_step(mesh):
     """``_step`` jitted for one device mesh (None: one device). On a mesh the shardings are explicit:
     params as placed, KV pages split on the kv-head axis in and out (donated), step inputs
     replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler."""
-    static = ("statics", "layout")
+    static, donate = ("statics", "layout"), ("kv_pages", "tables")
     if mesh is None:
-        return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",))
+        return jax.jit(_step, static_argnames=static, donate_argnames=donate)
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_step, static_argnames=static, donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep))
+    return jax.jit(_step, static_argnames=static, donate_argnames=donate,
+                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep, rep))
 
 
 def _write_tables(tables, writes):
-    """``tables[row, column] = block`` for each ``[3, n]`` write (an out-of-range row: padding)."""
+    """``tables[row, column] = block`` for each ``[3, n]`` write (an out-of-range row: padding, dropped)."""
     return tables.at[writes[0], writes[1]].set(writes[2], mode="drop")
 
 
@@ -224,12 +236,13 @@ def _jit_table_writes(mesh):
 
 def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
                prev_tokens=None, num_logits=None):
-    """The jitted step and its arguments (``md.block_tables`` is the rows' tables)."""
+    """The jitted step and its arguments (``md.block_tables`` is the rows' tables, copied: the step
+    donates its tables)."""
     m = StepModel.of(module, params)
     R, W = np.shape(md.block_tables)
     packed, layout = _pack_inputs(input_ids, positions, md, logits_indices, np.arange(R), W, prev_index, num_logits)
     return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed,
-                                                      md.block_tables, prev_tokens)
+                                                      jnp.array(md.block_tables, jnp.int32), prev_tokens)
 
 
 def step_fn(*args, **kwargs):
@@ -242,7 +255,8 @@ def step_fn(*args, **kwargs):
     param tree, or the ``StepModel`` of both (what the runner passes each step).
     """
     fn, call_args = _step_call(*args, **kwargs)
-    return fn(*call_args)
+    kv_pages, logits, _ = fn(*call_args)
+    return kv_pages, logits
 
 
 def _lower_step(*args, **kwargs):
@@ -310,7 +324,7 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
     the next step's in-flight token array, as ``sample_fn`` does for one step. The same per-step
     arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
     step would."""
-    input_ids, positions, md, logits_indices, prev_index, num_logits = _unpack_inputs(packed, layout, tables)
+    input_ids, positions, md, logits_indices, prev_index, num_logits, tables = _unpack_inputs(packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     T, S = input_ids.shape[0], sampling.temperature.shape[0]
@@ -334,18 +348,18 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
 
     (kv_pages, _), sampled = jax.lax.scan(one_step, (kv_pages, ids), jnp.arange(num_steps))
     final = sampled.tokens[last[:S], jnp.arange(S)]
-    return kv_pages, sampled, jnp.zeros(num_token_slots, jnp.int32).at[:S].set(final)
+    return kv_pages, sampled, jnp.zeros(num_token_slots, jnp.int32).at[:S].set(final), tables
 
 
 @functools.cache
 def _jit_steps(mesh):
     """``_steps`` jitted for one device mesh, with ``_jit_step``'s shardings."""
-    static = ("statics", "layout", "flags", "num_steps", "num_token_slots")
+    static, donate = ("statics", "layout", "flags", "num_steps", "num_token_slots"), ("kv_pages", "tables")
     if mesh is None:
-        return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",))
+        return jax.jit(_steps, static_argnames=static, donate_argnames=donate)
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_steps, static_argnames=static, donate_argnames=("kv_pages",),
-                   in_shardings=(None, kv, rep, rep, rep, rep, rep), out_shardings=(kv, rep, rep))
+    return jax.jit(_steps, static_argnames=static, donate_argnames=donate,
+                   in_shardings=(None, kv, rep, rep, rep, rep, rep), out_shardings=(kv, rep, rep, rep))
 
 
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
@@ -520,21 +534,28 @@ class ModelRunner:
             samples = np.fromiter(out.samples, bool, R)
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
-        return StepBatch(input_ids, positions, md, table_rows, W_b, self._table_write_chunks(), logits_indices,
+        step_writes, table_writes = self._table_writes(R_b)
+        return StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
                          prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
 
-    def _table_write_chunks(self) -> list[np.ndarray]:
-        """The queued device block-table writes, in padded chunks (padding rows are out of range)."""
+    def _table_writes(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The queued device block-table writes: up to ``size`` of them padded to ``size`` (for the step
+        program), the rest in padded chunks (for the table-write program). Each entry is written once,
+        so the order the two programs apply them in does not matter."""
+        step = np.full((3, size), _NO_ROW, np.int32)
         writes = self.slots.take_table_writes()
         if writes is None:
-            return []
+            return step, []
+        n = min(size, writes.shape[1])
+        step[:, :n] = writes[:, :n]
+        writes = writes[:, n:]
         chunks, largest = [], TABLE_WRITE_SIZES[-1]
         for at in range(0, writes.shape[1], largest):
             part = writes[:, at:at + largest]
-            chunk = np.full((3, next(u for u in TABLE_WRITE_SIZES if u >= part.shape[1])), self.max_rows, np.int32)
+            chunk = np.full((3, next(u for u in TABLE_WRITE_SIZES if u >= part.shape[1])), _NO_ROW, np.int32)
             chunk[:, :part.shape[1]] = part
             chunks.append(chunk)
-        return chunks
+        return step, chunks
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
                    host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -684,12 +705,11 @@ class ModelRunner:
         if b.num_steps > 1:
             m = self._step_model
             packed, layout = self._packed_inputs(b)
-            self.kv_pages, sampled, self._prev_tokens = _jit_steps(self._mesh)(
+            self.kv_pages, sampled, self._prev_tokens, self._tables = _jit_steps(self._mesh)(
                 m.statics, layout, b.flags, b.num_steps, self.max_rows, m.leaves, self.kv_pages, packed, self._tables,
                 b.row_steps, self._prev_tokens, b.sampling)
             return LaunchedStep(sampled, None, b.prompt_rows, b.num_rows, b.num_steps)
-        forward, args = self.forward_program(b)
-        self.kv_pages, logits = forward(*args)
+        logits = self.forward(b)
         sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
                                                        num_token_slots=self.max_rows)
         return LaunchedStep(sampled, prompt, b.prompt_rows, b.num_rows)
@@ -697,11 +717,19 @@ class ModelRunner:
     @staticmethod
     def _packed_inputs(b: StepBatch) -> tuple[np.ndarray, _InputLayout]:
         return _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
-                            b.prev_index, np.int32(b.num_logits))
+                            b.prev_index, np.int32(b.num_logits), b.step_table_writes)
+
+    def forward(self, b: StepBatch) -> jax.Array:
+        """Dispatch the forward program of a one-step batch (its ``table_writes`` applied first), keep
+        its KV pages and tables; its logits, not waited for."""
+        forward, args = self.forward_program(b)
+        self.kv_pages, logits, self._tables = forward(*args)
+        return logits
 
     def forward_program(self, b: StepBatch) -> tuple[Any, tuple]:
-        """The jitted forward program of a one-step batch and its arguments, as ``run_batch`` calls it
-        (``-> (kv_pages, logits)``, KV donated; the batch's ``table_writes`` must be applied first)."""
+        """The jitted forward program of a one-step batch and its arguments, as ``forward`` calls it
+        (``-> (kv_pages, logits, tables)``, KV pages and tables donated; the batch's ``table_writes``
+        must be applied first)."""
         m = self._step_model
         packed, layout = self._packed_inputs(b)
         return _jit_step(self._mesh), (m.statics, layout, m.leaves, self.kv_pages, packed, self._tables,
@@ -741,7 +769,7 @@ class ModelRunner:
                         self.model.module.attention_backend)
             return 0
         before = self.num_compiled_programs
-        self._write_tables([np.full((3, u), self.max_rows, np.int32) for u in TABLE_WRITE_SIZES])
+        self._write_tables([np.full((3, u), _NO_ROW, np.int32) for u in TABLE_WRITE_SIZES])
         empty = np.zeros(0, np.int32)
         for T_b in self.token_buckets:
             R_b = self.row_bucket(T_b)
@@ -751,7 +779,8 @@ class ModelRunner:
             sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
                 batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
-                                  self.max_blocks_per_seq, [], np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
+                                  self.max_blocks_per_seq, np.full((3, R_b), _NO_ROW, np.int32), [],
+                                  np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
                                   sampling, empty, empty, 0, flags)
                 self.collect(self.run_batch(batch))
                 if num_steps > 1 and T_b <= self.token_bucket(self.max_num_seqs):
