@@ -219,16 +219,18 @@ class Scheduler:
         # inside a block (not at a block's start) is in the block of the token before it, allocated
         # already, and only a fork (``shared_tails``) could have shared that block since. Rows that open
         # a new block take it in one allocation for all of them (``opening``), before any other.
+        # A fast row appends to three of the output's lists; the entries it would add to
+        # ``num_new_tokens`` (1) and ``samples`` (True) are added in bulk (``_fill_fast_rows``) before
+        # the next other row and at the end. Preemption pops rows from the end of ``running``, after
+        # the one being scheduled, which the loop then never reaches.
         running, max_len, block_size = self.running, self.max_model_len, kv.block_size
         allocate, add, shared_tails = kv.allocate_slots, self._add_to_output, kv.shared_tails
-        rows, new_tokens, starts, samples = out.requests, out.num_new_tokens, out.start_positions, out.samples
-        host_tokens = out.num_host_tokens
+        add_row, add_start, add_host = out.requests.append, out.start_positions.append, out.num_host_tokens.append
         opening: list[Request] = []
         room = kv.num_free_blocks
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            i += 1
+        for request in running:
+            if budget <= 0:
+                break
             computed = request.num_computed_tokens
             in_flight = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + in_flight
@@ -245,11 +247,9 @@ class Scheduler:
                 # known < prompt + max_tokens.
                 request.num_computed_tokens = computed + 1
                 request.num_output_placeholders = in_flight + 1
-                rows.append(request)
-                new_tokens.append(1)
-                starts.append(computed)
-                samples.append(True)
-                host_tokens.append(0 if in_flight else 1)     # the one token is the last known one
+                add_row(request)
+                add_start(computed)
+                add_host(0 if in_flight else 1)     # the one token is the last known one
                 budget -= 1
                 continue
             num_new = min(known - computed, budget, max_len - computed)
@@ -262,9 +262,11 @@ class Scheduler:
             if not allocate(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
             room = kv.num_free_blocks
+            self._fill_fast_rows(out)
             add(out, request, num_new, forked, known)
             budget -= num_new
         kv.grow_tables(opening)
+        self._fill_fast_rows(out)
 
         # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
         # for the rest of its group has nothing to compute yet and is passed over.
@@ -313,6 +315,14 @@ class Scheduler:
             budget -= num_new
         self.running.extend(forked)
         return self._close(out)
+
+    @staticmethod
+    def _fill_fast_rows(out: SchedulerOutput) -> None:
+        """The ``num_new_tokens`` and ``samples`` entries of the fast rows ``schedule`` added last."""
+        missing = len(out.requests) - len(out.samples)
+        if missing:
+            out.num_new_tokens += [1] * missing
+            out.samples += [True] * missing
 
     def _close(self, out: SchedulerOutput) -> SchedulerOutput:
         """Hand the block manager's queued copies and table changes, and the requests that left, to ``out``."""
