@@ -11,12 +11,14 @@ metrics when it ends.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring as json_string
 from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
@@ -53,6 +55,31 @@ def sse(payload: BaseModel | str) -> str:
     """One server-sent event."""
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
+
+
+class TextDeltaEvents:
+    """The events of a stream's common chunk, a choice's text with nothing else (no logprobs, no
+    finish), without pydantic: the chunk's models are dumped once per choice with a marker text and
+    split around it, so an event is that prefix, the text as a JSON string (``json``'s C encoder,
+    as ``json.dumps(text, ensure_ascii=False)`` has it) and that suffix. ~0.5 us an event against
+    ~18 us for building and dumping a chat chunk's models: ~4.5 ms of event loop per step at 256
+    streams. The same bytes as ``sse(chunk(index, text))`` (a test compares them)."""
+
+    _MARK = json_string("\x00jaxpaged-text\x00")
+
+    def __init__(self, chunk: Callable[[int, str], BaseModel]) -> None:
+        self._chunk = chunk
+        """(choice index, text) -> that choice's chunk with that text."""
+        self._frames: dict[int, tuple[str, str]] = {}
+
+    def event(self, index: int, text: str) -> str:
+        frame = self._frames.get(index)
+        if frame is None:
+            prefix, mark, suffix = sse(self._chunk(index, json.loads(self._MARK))).partition(self._MARK)
+            if not mark or self._MARK in suffix:
+                raise RuntimeError(f"a chunk's text is not one JSON string of its own: {prefix}")
+            frame = self._frames[index] = (prefix, suffix)
+        return frame[0] + json_string(text) + frame[1]
 
 
 async def run_until_disconnect(request: HTTPRequest, work: Awaitable[T]) -> T:
@@ -175,17 +202,23 @@ class OpenAIServing:
         return self._framed(self._completion_choices(job, body, created), usage)
 
     async def _completion_choices(self, job: _Job, body: CompletionRequest, created: int) -> AsyncIterator[str]:
+        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish_reason: str | None = None,
+                  stop_reason: int | str | None = None) -> CompletionResponse:
+            return CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)])
+
         states: dict[int, _ChoiceState] = {}
+        text_events = TextDeltaEvents(chunk)
         async with aclosing(self._merged(job)) as outputs:
             async for i, out in outputs:
                 for j, c in enumerate(out.outputs):
                     index = i * job.n + j
                     text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()), body)
-                    if text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
-                        yield sse(CompletionResponse(
-                            id=job.request_id, created=created, model=job.model,
-                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                    if logprobs is None and c.finish_reason is None:
+                        if text:
+                            yield text_events.event(index, text)
+                    elif text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
+                        yield sse(chunk(index, text, logprobs, c.finish_reason, c.stop_reason))
 
     def _completion_piece(self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState,
                           body: CompletionRequest) -> tuple[str, CompletionLogprobs | None]:
@@ -248,19 +281,23 @@ class OpenAIServing:
         return self._framed(self._chat_choices(job, body, created), usage)
 
     async def _chat_choices(self, job: _Job, body: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice]))
+        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice])
 
+        text_events = TextDeltaEvents(lambda j, text: chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text))))
         for j in range(job.n):
-            yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
+            yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))))
         async with aclosing(self._merged(job)) as outputs:
             async for _, out in outputs:
                 for j, c in enumerate(out.outputs):
                     text, logprobs = self._chat_piece(c, body)
-                    if text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
-                        yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
-                                                    logprobs=logprobs, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+                    if logprobs is None and c.finish_reason is None:
+                        if text:
+                            yield text_events.event(j, text)
+                    elif text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
+                        yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
+                                                        logprobs=logprobs, finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason)))
 
     @staticmethod
     def _chat_piece(c: CompletionOutput, body: ChatCompletionRequest) -> tuple[str, ChatChoiceLogprobs | None]:

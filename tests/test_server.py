@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import random
 import re
 import socket
 import threading
@@ -309,6 +310,31 @@ def test_sse_framing(http):
     assert all(set(c["choices"][0]["delta"]) <= {"content"} for c in chunks[1:])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["usage"] is None for c in chunks)          # no usage unless asked for
+
+
+@pytest.mark.parametrize("api", ["chat", "completion"])
+def test_text_delta_events_are_the_bytes_pydantic_dumps(api):
+    """A streamed text chunk is written from a template, not through pydantic: for texts of every
+    kind of character JSON treats apart (ASCII controls, quotes, backslashes, U+2028, non-BMP, BOM),
+    the event is byte for byte what dumping the chunk's models gives."""
+    from server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
+                                 DeltaMessage)
+    from server.serving import TextDeltaEvents, sse
+
+    if api == "chat":
+        def chunk(j, text):
+            return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m\"x",
+                                       choices=[ChatChunkChoice(index=j, delta=DeltaMessage(content=text))])
+    else:
+        def chunk(j, text):
+            return CompletionResponse(id="cmpl-1", created=7, model="m", choices=[CompletionChoice(index=j, text=text)])
+    events = TextDeltaEvents(chunk)
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in [*range(0x80), 0xA0, 0xE9, 0x2028, 0x2029, 0x4E2D, 0xFEFF, 0xFFFD, 0x1F600, 0x10FFFF]]
+    for _ in range(3000):
+        text = "".join(rng.choices(alphabet, k=rng.randint(1, 10)))
+        j = rng.randrange(3)
+        assert events.event(j, text) == sse(chunk(j, text)), repr(text)
 
 
 def test_chat_uses_the_template(client, engine):
