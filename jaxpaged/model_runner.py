@@ -433,6 +433,8 @@ class ModelRunner:
         self._iota.flags.writeable = self._ones.flags.writeable = False
         self._sampling_cache: tuple | None = None
         """(slots, S_b, tensors, flags) of the last batch whose sampling inputs can be reused."""
+        self._steady: tuple[np.ndarray, StepBatch] | None = None
+        """(slots, batch) of the last step if it was a steady decode step (``_next_steady_batch``)."""
 
     @property
     def num_compiled_programs(self) -> int:
@@ -471,6 +473,9 @@ class ModelRunner:
         children = [c for _, c in out.forks]
         R = len(reqs)
         slots = slots_state.slots(reqs)
+        if (self._steady is not None and self._steady[0] is slots and not children and out.num_steps == 1
+                and not any(out.num_host_tokens) and all(out.samples)):
+            return self._next_steady_batch(self._steady[1], slots, out)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
         # A multi-step batch is prepared as its first step, a decode step: its rows' steps go along.
         multi = out.num_steps > 1
@@ -484,9 +489,7 @@ class ModelRunner:
         R_b = self.row_bucket(T_b)
         seq_lens = starts + n
         row_steps = _padded(np.fromiter(out.num_new_tokens, np.int32, R), R_b, 0) if multi else None
-        longest = int(seq_lens.max()) + (int(row_steps.max()) - 1 if multi else 0)
-        W_b = (_bucket(-(-longest // self.block_size), self.max_blocks_per_seq,
-                       floor=MIN_CONTEXT // self.block_size) if self.gathers_pages else self.max_blocks_per_seq)
+        W_b = self._table_width(int(seq_lens.max()) + (int(row_steps.max()) - 1 if multi else 0))
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
@@ -496,12 +499,8 @@ class ModelRunner:
         positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
         input_ids, prev_index = self._token_ids(reqs, slots, starts, n, out.num_host_tokens, qsl, T_b)
         table_rows = _padded(slots_state.device_rows(slots), R_b, 0)
-        slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
-        pos = positions[:T]
-        slot_mapping[:T] = (slots_state.block_tables[slots[row_of_tok], pos // self.block_size] * self.block_size
-                            + pos % self.block_size)
-        seq_lens_b = np.zeros(R_b, np.int32)
-        seq_lens_b[:R] = seq_lens
+        slot_mapping = self._slot_mapping(slots[row_of_tok], positions[:T], T_b)
+        seq_lens_b = _padded(seq_lens, R_b, 0)
         if self.gathers_pages:
             tile = min(PREFILL_TILE, T_b)
             n_tiles = num_prefill_tiles(qsl, tile)
@@ -535,8 +534,46 @@ class ModelRunner:
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
         step_writes, table_writes = self._table_writes(R_b)
-        return StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
-                         prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
+        b = StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
+                      prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
+        # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
+        # the same sequences reads its tokens where this one samples them.
+        steady = (decode and not multi and not children and not NP and all(out.samples)
+                  and np.array_equal(prev_index[:R], iota[:R]))
+        self._steady = (slots, b) if steady else None
+        return b
+
+    def _next_steady_batch(self, last: StepBatch, slots: np.ndarray, out: SchedulerOutput) -> StepBatch:
+        """The step after a steady decode step ``last`` of the same sequences, all its tokens in
+        flight: the rows' layout (query starts, logits rows, in-flight token rows, prompt positions:
+        none) is ``last``'s, so only what moves with the positions is built (~15 numpy operations
+        instead of ~40). ``last_sample_row`` already holds each row's own index."""
+        R, T_b, R_b = len(slots), last.input_ids.shape[0], last.table_rows.shape[0]
+        starts = np.fromiter(out.start_positions, np.int32, R)
+        seq_lens = starts + 1
+        md = dataclasses.replace(last.md, slot_mapping=self._slot_mapping(slots, starts, T_b),
+                                 seq_lens=_padded(seq_lens, R_b, 0))
+        sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
+        step_writes, table_writes = self._table_writes(R_b)
+        b = dataclasses.replace(last, positions=_padded(starts, T_b, 0), md=md,
+                                table_rows=_padded(self.slots.device_rows(slots), R_b, 0),
+                                table_width=self._table_width(int(seq_lens.max())), step_table_writes=step_writes,
+                                table_writes=table_writes, sampling=sampling, flags=flags)
+        self._steady = (slots, b)
+        return b
+
+    def _table_width(self, longest: int) -> int:
+        """Block-table columns a step reads for sequences of up to ``longest`` tokens."""
+        if not self.gathers_pages:
+            return self.max_blocks_per_seq
+        return _bucket(-(-longest // self.block_size), self.max_blocks_per_seq, floor=MIN_CONTEXT // self.block_size)
+
+    def _slot_mapping(self, slot_of_token: np.ndarray, positions: np.ndarray, T_b: int) -> np.ndarray:
+        """Each token's KV slot (block id * block size + offset), padded to ``T_b`` with ``PAD_SLOT``."""
+        bs = self.block_size
+        slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
+        slot_mapping[:len(positions)] = self.slots.block_tables[slot_of_token, positions // bs] * bs + positions % bs
+        return slot_mapping
 
     def _table_writes(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """The queued device block-table writes: up to ``size`` of them padded to ``size`` (for the step

@@ -158,6 +158,58 @@ def test_persistent_block_tables_follow_the_requests(tiny):
     assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
 
 
+@pytest.mark.parametrize("num_blocks", [14, 40])
+def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, num_blocks):
+    """A decode step of the same sequences as the step before, all tokens in flight, is prepared
+    from that step's batch (``_next_steady_batch``); every array it feeds the device equals what the
+    full preparation builds for the same step, through block openings, rows that finish (other
+    sequences), preemption and admissions (full steps; with 14 blocks), and the engines' outputs are
+    the same. With 40 blocks nothing is preempted: after the first sequence in the batch ends, the
+    others sample at lower rows than in the step before, then run steady."""
+    path, hf = tiny
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, [5, 9, 3, 14, 7, 11])
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    workload = [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def leaves(b):
+        import jax
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves((b.input_ids, b.positions, b.md, b.table_rows,
+                                                                  b.logits_indices, b.prev_index, b.sampling))]
+
+    engine = _engine(path, num_gpu_blocks_override=num_blocks)
+    runner = engine.runner
+    full_prepare, next_steady = type(runner).prepare, runner._next_steady_batch
+    steady = []
+
+    def counted_next_steady(*args):
+        steady.append(True)
+        return next_steady(*args)
+
+    def compared_prepare(out):
+        # The full preparation on a copy of the state it reads and changes, then the real one.
+        slots = runner.slots
+        state = {k: v.copy() if isinstance(v, (np.ndarray, dict, list)) else v for k, v in vars(slots).items()}
+        kept, runner._steady = runner._steady, None
+        want = full_prepare(runner, out)
+        vars(slots).update(state)
+        runner._steady = kept
+        got = full_prepare(runner, out)
+        assert got.table_width == want.table_width and got.flags == want.flags and got.num_rows == want.num_rows
+        for g, w in zip(leaves(got), leaves(want), strict=True):
+            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
+                                      np.concatenate([want.step_table_writes, *want.table_writes], axis=1))
+        return got
+
+    runner._next_steady_batch = counted_next_steady
+    runner.prepare = compared_prepare
+    got = _run(engine, workload)
+    assert len(steady) > 10 and (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
+    assert got == _run(_engine(path, num_gpu_blocks_override=num_blocks, async_scheduling=False), workload)
+
+
 def test_output_kinds(tiny):
     """DELTA outputs add up to the CUMULATIVE ones; FINAL_ONLY yields only the finished output."""
     path, _ = tiny
