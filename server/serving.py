@@ -11,7 +11,6 @@ metrics when it ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -66,7 +65,7 @@ class TextDeltaEvents:
     of event loop per step at 256 streams. The same bytes as ``sse(chunk(index, text))`` (a test
     compares them)."""
 
-    _MARK = json_string("\x00jaxpaged-text\x00")
+    _MARK = "\x00jaxpaged-text\x00"
 
     def __init__(self, chunk: Callable[[int, str], BaseModel]) -> None:
         self._chunk = chunk
@@ -76,8 +75,9 @@ class TextDeltaEvents:
     def event(self, index: int, text: str) -> str:
         frame = self._frames.get(index)
         if frame is None:
-            prefix, mark, suffix = sse(self._chunk(index, json.loads(self._MARK))).partition(self._MARK)
-            if not mark or self._MARK in suffix:
+            encoded = json_string(self._MARK)
+            prefix, mark, suffix = sse(self._chunk(index, self._MARK)).partition(encoded)
+            if not mark or encoded in suffix:
                 raise RuntimeError(f"a chunk's text is not one JSON string of its own: {prefix}")
             frame = self._frames[index] = (prefix, suffix)
         return frame[0] + json_string(text) + frame[1]
