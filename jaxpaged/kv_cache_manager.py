@@ -34,11 +34,11 @@ device blocks; both return the (src, dst) pairs the runner copies before the ste
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import NamedTuple
 
 from jaxpaged.request import Request
@@ -70,6 +70,11 @@ class TableChange(NamedTuple):
 
     request: Request
     first: int
+
+
+_new_table_change = functools.partial(tuple.__new__, TableChange)
+"""``TableChange(request, first)`` from a ``(request, first)`` pair at half the cost of the NamedTuple's
+own constructor (a Python function): a decode step at 256 running requests makes ~32, a group of 8 ~256."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +335,7 @@ class KVCacheManager:
         self.shared_tails.discard(request.request_id)
         self._mark_changed(request, first)
         if self.enable_caching:
-            self._publish_full_blocks(request, total)
+            self._publish_full_blocks([(request, total)])
         return True
 
     def grow_tables(self, requests: list[Request]) -> None:
@@ -341,16 +346,18 @@ class KVCacheManager:
         the pool is short."""
         bs = self.block_size
         counts = [max(0, -(-r.num_computed_tokens // bs) - len(r.block_ids)) for r in requests]
-        new = iter(self.pool.allocate(sum(counts)))
-        mark, caching = self._mark_changed, self.enable_caching
+        new = self.pool.allocate(sum(counts))
+        mark, at, grown = self._mark_changed, 0, []
         for r, c in zip(requests, counts):
             if not c:
                 continue
             block_ids = r.block_ids
             mark(r, len(block_ids))
-            block_ids += islice(new, c)
-            if caching:
-                self._publish_full_blocks(r, r.num_computed_tokens)
+            block_ids += new[at:at + c]
+            at += c
+            grown.append(r)
+        if self.enable_caching:
+            self._publish_full_blocks([(r, r.num_computed_tokens) for r in grown])
 
     def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         """How many free blocks ``allocate_slots(request, num_new_tokens)`` would take now."""
@@ -379,7 +386,7 @@ class KVCacheManager:
         """Record that ``request.block_ids[first:]`` changed (an earlier mark may lower ``first``)."""
         prev = self._changed.get(request.request_id)
         if prev is None or first < prev.first:
-            self._changed[request.request_id] = TableChange(request, first)
+            self._changed[request.request_id] = _new_table_change((request, first))
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` (no blocks yet) the parent's block table and computed tokens, sharing
@@ -426,7 +433,7 @@ class KVCacheManager:
         request.block_ids = dev
         self._mark_changed(request)
         if self.enable_caching:
-            self._publish_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+            self._publish_full_blocks([(request, request.num_computed_tokens + num_new_tokens)])
         return pairs
 
     def get_computed_blocks(self, request: Request) -> int:
@@ -484,25 +491,30 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache every block that is full once this step's tokens are written, as far as their token
-        ids are known (an output token still in flight is published with a later step)."""
-        known = len(request.prompt_token_ids) + len(request.output_token_ids)
-        rid = request.request_id
-        num_full = (num_tokens if num_tokens < known else known) // self.block_size
-        done = self._num_published.get(rid, 0)
-        if num_full <= done:
-            return
-        # One pass (a decode step's new block publishes one): each block's tokens read once, for
-        # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
-        hashes = self._hashes.get(rid)
-        if hashes is None:
-            hashes = self._hashes[rid] = []
-        block_ids = request.block_ids
-        for i in range(done, num_full):
-            tokens = self._block_tokens(request, i)
-            parent = self._parent_key(request, block_ids, i)
-            if i == len(hashes):
-                hashes.append(self._hash_fn(hashes[-1] if i else parent, tokens))
-            self.pool.cache(block_ids[i], hashes[i], tokens, parent)
-        self._num_published[rid] = num_full
+    def _publish_full_blocks(self, grown: list[tuple[Request, int]]) -> None:
+        """Cache every block of each ``(request, num_tokens)`` that is full once its first ``num_tokens``
+        tokens are written, as far as their token ids are known (an output token still in flight is
+        published with a later step). All requests in one pass, everything bound once: a decode step
+        at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256."""
+        bs, published, all_hashes, hash_fn = self.block_size, self._num_published, self._hashes, self._hash_fn
+        cache, parent_key = self.pool.cache, self.pool.parent_key
+        for request, num_tokens in grown:
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            rid = request.request_id
+            num_full = (num_tokens if num_tokens < known else known) // bs
+            done = published.get(rid, 0)
+            if num_full <= done:
+                continue
+            hashes = all_hashes.get(rid)
+            if hashes is None:
+                hashes = all_hashes[rid] = []
+            block_ids = request.block_ids
+            # One pass (a decode step's new block publishes one): each block's tokens read once, for
+            # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
+            for i in range(done, num_full):
+                tokens = tuple(request.token_ids_slice(i * bs, i * bs + bs))
+                parent = parent_key(block_ids[i - 1]) if i else root_hash(request.cache_salt)
+                if i == len(hashes):
+                    hashes.append(hash_fn(hashes[-1] if i else parent, tokens))
+                cache(block_ids[i], hashes[i], tokens, parent)
+            published[rid] = num_full
