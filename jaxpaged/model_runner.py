@@ -473,7 +473,7 @@ class ModelRunner:
         children = [c for _, c in out.forks]
         R = len(reqs)
         slots = slots_state.slots(reqs)
-        if (self._steady is not None and self._steady[0] is slots and not children and out.num_steps == 1
+        if (self._steady is not None and self._steady[0] is slots and not children
                 and not any(out.num_host_tokens) and all(out.samples)):
             return self._next_steady_batch(self._steady[1], slots, out)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
@@ -488,8 +488,8 @@ class ModelRunner:
         T_b = self.token_bucket(T)
         R_b = self.row_bucket(T_b)
         seq_lens = starts + n
-        row_steps = _padded(np.fromiter(out.num_new_tokens, np.int32, R), R_b, 0) if multi else None
-        W_b = self._table_width(int(seq_lens.max()) + (int(row_steps.max()) - 1 if multi else 0))
+        row_steps = self._row_steps(out, R_b)
+        W_b = self._table_width(seq_lens, row_steps)
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
@@ -538,7 +538,7 @@ class ModelRunner:
                       prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
         # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
         # the same sequences reads its tokens where this one samples them.
-        steady = (decode and not multi and not children and not NP and all(out.samples)
+        steady = (decode and not children and not NP and all(out.samples)
                   and np.array_equal(prev_index[:R], iota[:R]))
         self._steady = (slots, b) if steady else None
         return b
@@ -547,25 +547,37 @@ class ModelRunner:
         """The step after a steady decode step ``last`` of the same sequences, all its tokens in
         flight: the rows' layout (query starts, logits rows, in-flight token rows, prompt positions:
         none) is ``last``'s, so only what moves with the positions is built (~15 numpy operations
-        instead of ~40). ``last_sample_row`` already holds each row's own index."""
+        instead of ~40). ``last_sample_row`` already holds each row's own index. Either may be a
+        multi-step group (prepared as its first decode step, its rows' steps going along)."""
         R, T_b, R_b = len(slots), last.input_ids.shape[0], last.table_rows.shape[0]
         starts = np.fromiter(out.start_positions, np.int32, R)
         seq_lens = starts + 1
+        row_steps = self._row_steps(out, R_b)
         md = dataclasses.replace(last.md, slot_mapping=self._slot_mapping(slots, starts, T_b),
                                  seq_lens=_padded(seq_lens, R_b, 0))
         sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
         step_writes, table_writes = self._table_writes(R_b)
         b = dataclasses.replace(last, positions=_padded(starts, T_b, 0), md=md,
                                 table_rows=_padded(self.slots.device_rows(slots), R_b, 0),
-                                table_width=self._table_width(int(seq_lens.max())), step_table_writes=step_writes,
-                                table_writes=table_writes, sampling=sampling, flags=flags)
+                                table_width=self._table_width(seq_lens, row_steps),
+                                step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
+                                num_steps=out.num_steps, row_steps=row_steps)
         self._steady = (slots, b)
         return b
 
-    def _table_width(self, longest: int) -> int:
-        """Block-table columns a step reads for sequences of up to ``longest`` tokens."""
+    @staticmethod
+    def _row_steps(out: SchedulerOutput, R_b: int) -> np.ndarray | None:
+        """``StepBatch.row_steps`` of a multi-step batch (None for one step)."""
+        if out.num_steps == 1:
+            return None
+        return _padded(np.fromiter(out.num_new_tokens, np.int32, len(out.requests)), R_b, 0)
+
+    def _table_width(self, seq_lens: np.ndarray, row_steps: np.ndarray | None = None) -> int:
+        """Block-table columns a step reads for sequences of ``seq_lens`` tokens (a multi-step batch's
+        rows growing by their ``row_steps`` - 1 more)."""
         if not self.gathers_pages:
             return self.max_blocks_per_seq
+        longest = int(seq_lens.max()) + (0 if row_steps is None else int(row_steps.max()) - 1)
         return _bucket(-(-longest // self.block_size), self.max_blocks_per_seq, floor=MIN_CONTEXT // self.block_size)
 
     def _slot_mapping(self, slot_of_token: np.ndarray, positions: np.ndarray, T_b: int) -> np.ndarray:

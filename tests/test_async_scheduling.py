@@ -158,19 +158,22 @@ def test_persistent_block_tables_follow_the_requests(tiny):
     assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
 
 
-@pytest.mark.parametrize("num_blocks", [14, 40])
-def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, num_blocks):
+@pytest.mark.parametrize("num_blocks,num_steps", [(14, 1), (40, 1), (80, 4)])
+def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, num_blocks, num_steps):
     """A decode step of the same sequences as the step before, all tokens in flight, is prepared
     from that step's batch (``_next_steady_batch``); every array it feeds the device equals what the
     full preparation builds for the same step, through block openings, rows that finish (other
     sequences), preemption and admissions (full steps; with 14 blocks), and the engines' outputs are
-    the same. With 40 blocks nothing is preempted: after the first sequence in the batch ends, the
-    others sample at lower rows than in the step before, then run steady."""
+    the same. With 40 (80) blocks nothing is preempted: after the first sequence in the batch ends, the
+    others sample at lower rows than in the step before, then run steady. With 4 scheduler steps
+    the steady batches are multi-step groups (and single steps between them, as arrivals end groups)."""
     path, hf = tiny
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [5, 9, 3, 14, 7, 11])
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
-              for i in range(len(prompts))]
+    # With several steps a group, longer outputs: the same rows repeat in whole groups between the
+    # group that ends a sequence (fewer steps for it: the rows are reordered) and the next.
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
+                             max_tokens=(6 + 5 * i) if num_steps == 1 else 20 + 8 * i) for i in range(len(prompts))]
     workload = [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def leaves(b):
@@ -178,10 +181,10 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
         return [np.asarray(x) for x in jax.tree_util.tree_leaves((b.input_ids, b.positions, b.md, b.table_rows,
                                                                   b.logits_indices, b.prev_index, b.sampling))]
 
-    engine = _engine(path, num_gpu_blocks_override=num_blocks)
+    engine = _engine(path, num_gpu_blocks_override=num_blocks, num_scheduler_steps=num_steps)
     runner = engine.runner
     full_prepare, next_steady = type(runner).prepare, runner._next_steady_batch
-    steady = []
+    steady, groups = [], []
 
     def counted_next_steady(*args):
         steady.append(True)
@@ -196,7 +199,10 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
         vars(slots).update(state)
         runner._steady = kept
         got = full_prepare(runner, out)
-        assert got.table_width == want.table_width and got.flags == want.flags and got.num_rows == want.num_rows
+        assert (got.table_width, got.flags, got.num_rows, got.num_steps) == (want.table_width, want.flags,
+                                                                              want.num_rows, want.num_steps)
+        np.testing.assert_array_equal(*(np.asarray(b.row_steps if b.num_steps > 1 else 0) for b in (got, want)))
+        groups.append(got.num_steps > 1)
         for g, w in zip(leaves(got), leaves(want), strict=True):
             np.testing.assert_array_equal(g, w)
         np.testing.assert_array_equal(np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
@@ -206,7 +212,8 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
     runner._next_steady_batch = counted_next_steady
     runner.prepare = compared_prepare
     got = _run(engine, workload)
-    assert len(steady) > 10 and (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
+    assert len(steady) > 10 / num_steps and (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
+    assert any(groups) == (num_steps > 1)
     assert got == _run(_engine(path, num_gpu_blocks_override=num_blocks, async_scheduling=False), workload)
 
 
