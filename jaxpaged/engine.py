@@ -256,11 +256,12 @@ class LLMEngine:
         seed = (sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)) & _SEED_MASK
         arrival = arrival_time if arrival_time is not None else time.time()
         eos = self.tokenizer.eos_token_id
-        final_stops = (frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
-                       if sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.stop else None)
+        stop_ids = None if sp.stop else frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
+        final = sp.output_kind is RequestOutputKind.FINAL_ONLY
         samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
                            sampling_params=sp, max_tokens=max_tokens, seed=_sample_seed(seed, i),
-                           eos_token_id=eos, final_stop_ids=final_stops, multi_step=not sp.needs_step_lists,
+                           eos_token_id=eos, final_stop_ids=stop_ids if final else None,
+                           stream_stop_ids=None if final else stop_ids, multi_step=not sp.needs_step_lists,
                            cache_salt=cache_salt, prompt=text,
                            arrival_time=arrival,
                            sample_index=i,
@@ -464,15 +465,17 @@ class LLMEngine:
 
     def _append_steps(self, out: SchedulerOutput, sampled, now: float, touched: dict[str, Request],
                       searches: dict[str, "_BeamSearch"]) -> None:
-        """A multi-step batch's samples (``[num_steps, rows]`` arrays), row by row. A row whose tokens
-        nothing reads one at a time (``final_stop_ids``, no logprobs in the batch) and none of which
-        ends it takes them all at once; the others go token by token through ``_append_samples``."""
+        """A multi-step batch's samples (``[num_steps, rows]`` arrays), row by row. A row with no stop
+        strings (``final_stop_ids`` or ``stream_stop_ids``) and no logprobs in the batch, none of whose
+        tokens ends it, takes them all at once (a streamed one: detokenized at once, as one delta);
+        the others go token by token through ``_append_samples``."""
         k = out.num_steps
         plain = sampled.logprobs.size == 0
         columns = sampled.tokens.T.tolist()
         rest = []
         for j, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-            stops, ids = req.final_stop_ids, req.output_token_ids
+            ids, stream = req.output_token_ids, req.stream_stop_ids
+            stops = req.final_stop_ids if stream is None else stream
             if plain and stops is not None and not req.is_finished:
                 new = columns[j][:n] if n < k else columns[j]
                 if len(ids) + n < req.max_tokens and stops.isdisjoint(new):
@@ -480,6 +483,8 @@ class LLMEngine:
                         req.first_token_time = now
                     ids += new
                     req.num_output_placeholders -= n
+                    if stream is not None:
+                        self._passed(req, new, touched)
                     continue
             rest.extend(range(j * k, j * k + n))
         if rest:
@@ -515,10 +520,14 @@ class LLMEngine:
                 req.output_top_logprobs.append(self._token_logprobs(
                     token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
                     sampled.top_logprobs[i, :sp.logprobs]))
-            # The common decode step of LLM.generate (no text read before the end, no output yet):
-            # only EOS, a stop id or the length limit can end such a sample, and none does here.
+            # The common decode step: with no stop strings only EOS, a stop id or the length limit can
+            # end a sample, and none does here.
             stops = req.final_stop_ids
             if stops is not None and len(ids) < req.max_tokens and token not in stops:
+                continue                    # detokenized when it ends (``_check_stop``)
+            stops = req.stream_stop_ids
+            if stops is not None and len(ids) < req.max_tokens and token not in stops:
+                self._passed(req, (token,), touched)
                 continue
             status = self._check_stop(req)
             if status is not None:
@@ -528,6 +537,13 @@ class LLMEngine:
                 continue
             parent = self._groups[req.request_id]
             touched[parent.request_id] = parent
+
+    def _passed(self, req: Request, new: Sequence[int], touched: dict[str, Request]) -> None:
+        """Take in ``new``, tokens just appended to a streamed sample with no stop strings
+        (``stream_stop_ids``) that end nothing: their text is added and the sample's group reports."""
+        self._detokenizers[req.request_id].step(new)
+        parent = self._groups[req.request_id]
+        touched[parent.request_id] = parent
 
     def _record_prompt_logprobs(self, reqs: list[Request], res: StepOutput) -> None:
         """Append this step's scored prompt positions (consecutive, in order, per row)."""

@@ -79,7 +79,7 @@ class Request:
     final_stop_ids: frozenset[int] | None = None
     """For a sample whose text nothing reads before it ends (``FINAL_ONLY``, no stop strings): the
     tokens that may end it before its length limit (EOS, stop ids), so the engine can pass over
-    every other token without its sampling parameters. None: every token is checked in full."""
+    every other token without its sampling parameters. None: see ``stream_stop_ids``."""
     multi_step: bool = False
     """Whether the scheduler may give this sample several decode steps at once: its sampling inputs
     are the same every step (``not sampling_params.needs_step_lists``) and no engine decision sits
@@ -130,6 +130,13 @@ class Request:
     """Output tokens already reported (streaming deltas)."""
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Last: a field inserted among the first ones moves those after it to other cache lines, and a
+    # decode step's take-in of a FINAL_ONLY sample reads up to ``output_top_logprobs``.
+    stream_stop_ids: frozenset[int] | None = None
+    """``final_stop_ids`` for a sample whose outputs stream (``DELTA``, ``CUMULATIVE``) with no stop
+    strings: every other token is detokenized and reported without its stop rules. None in both
+    (stop strings): every token is checked in full. Two fields, so that the common ``FINAL_ONLY``
+    token costs no test of the output kind."""
 
     @property
     def num_prompt_tokens(self) -> int:
