@@ -497,7 +497,7 @@ class KVCacheManager:
         published with a later step). All requests in one pass, everything bound once: a decode step
         at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256."""
         bs, published, all_hashes, hash_fn = self.block_size, self._num_published, self._hashes, self._hash_fn
-        cache, parent_key = self.pool.cache, self.pool.parent_key
+        cache, parent_key, block_tokens = self.pool.cache, self._parent_key, self._block_tokens
         for request, num_tokens in grown:
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
             rid = request.request_id
@@ -512,8 +512,8 @@ class KVCacheManager:
             # One pass (a decode step's new block publishes one): each block's tokens read once, for
             # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
             for i in range(done, num_full):
-                tokens = tuple(request.token_ids_slice(i * bs, i * bs + bs))
-                parent = parent_key(block_ids[i - 1]) if i else root_hash(request.cache_salt)
+                tokens = block_tokens(request, i)
+                parent = parent_key(request, block_ids, i)
                 if i == len(hashes):
                     hashes.append(hash_fn(hashes[-1] if i else parent, tokens))
                 cache(block_ids[i], hashes[i], tokens, parent)
