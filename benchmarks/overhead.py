@@ -25,7 +25,9 @@ overhead the device actually waits for.
 the engine's default) of the same number of decoding requests with no engine and no device, each
 step followed by the bookkeeping of its sampled tokens, one step at a time and in the multi-step
 groups timed above (per decode step): the pure-Python part, free of the noise that a device step
-running on the same two cores adds to the other phases.
+running on the same two cores adds to the other phases; and the same with the host's caches cold
+(``EVICT_BYTES`` read and written between its steps, as a device step evicts them): what the
+scheduler costs in the engine, where every object a step touches per request is a cache miss.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
@@ -50,6 +52,8 @@ from jaxpaged.config import EngineArgs
 
 PHASES = ("schedule", "prepare", "dispatch", "output", "wait")
 TARGET_MS = 0.5
+EVICT_BYTES = 16 << 20
+"""Touched between the cold scheduler-alone steps: twice the development machines' last-level cache (8 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -191,12 +195,14 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
 
 
 def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: int = 32, warmup: int = 8,
-                    seed: int = 0, num_scheduler_steps: int = 1) -> list[float]:
+                    seed: int = 0, num_scheduler_steps: int = 1, evict_bytes: int = 0) -> list[float]:
     """Seconds of each of ``steps`` ``Scheduler.schedule()`` calls for ``num_requests`` decoding requests,
     after their prompts and ``warmup`` decode steps; between steps every sampled token is taken in
     (placeholders resolved, tokens appended) as the engine does. With ``num_scheduler_steps`` k > 1
-    each call schedules a group of k decode steps (multi-step scheduling). Raises if a timed call is
-    not one decode token (a group of k) for each request."""
+    each call schedules a group of k decode steps (multi-step scheduling). With ``evict_bytes`` a
+    buffer that large is read and written between steps (untimed), evicting the host's caches as a
+    device step does: the scheduler's cost in the engine. Raises if a timed call is not one decode
+    token (a group of k) for each request."""
     import random
 
     from jaxpaged.config import SchedulerConfig
@@ -228,7 +234,9 @@ def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: 
     for _ in range(warmup):
         take_in(scheduler.schedule())
     seconds = []
+    evict = np.ones(evict_bytes // 8)
     for _ in range(steps):
+        evict += 1.0
         t = time.perf_counter()
         out = scheduler.schedule()
         seconds.append(time.perf_counter() - t)
@@ -319,9 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
                 timings, device_only = measure(engine, n, args.steps, args.warmup, args.prompt_len, kind)
                 rows.append({"mode": mode, "outputs": name, "num_requests": n, **summarize(timings, device_only),
                              "steps": [asdict(t) for t in timings]})
-    alone = {(n, k): 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size,
-                                                              num_scheduler_steps=k)) / k
-             for k in sorted({k for _, k in modes}) for n in args.batch_sizes}
+    alone = {(n, k, cold): 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size,
+                                                                    num_scheduler_steps=k,
+                                                                    evict_bytes=EVICT_BYTES if cold else 0)) / k
+             for k in sorted({k for _, k in modes}) for n in args.batch_sizes for cold in (False, True)}
     print(f"median ms per decode step ({args.steps} steps each; {UNDER_LOAD})")
     print_table(["mode", "outputs", "running", *PHASES, "host total", "host CPU", "step", "device only", "exposed"],
                 [[r["mode"], r["outputs"], r["num_requests"], *(r[p] for p in PHASES), r["host"], r["host_cpu"],
@@ -333,11 +342,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"host overhead at {top['num_requests']} running requests ({top['mode']}, LLM.generate's final-only "
               f"outputs): {top['host']:.3f} ms of host work per decode step, {top['exposed']:.3f} ms exposed "
               f"(target <= {TARGET_MS} ms host work: {verdict})")
-    print("scheduler alone (no engine, no device), median ms per decode step: "
-          + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f}" for (n, k), ms in alone.items()))
+    print(f"scheduler alone (no engine, no device), median ms per decode step (caches warm / cold: {EVICT_BYTES >> 20} "
+          "MiB touched between steps, as a device step does): "
+          + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f} / {alone[n, k, True]:.3f}"
+                      for (n, k, cold), ms in alone.items() if not cold))
     plot(rows)
     result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows,
-              "scheduler_alone_ms": {f"{n}" if k == 1 else f"{n} x{k}": ms for (n, k), ms in alone.items()}}
+              "scheduler_alone_ms": {f"{n}{'' if k == 1 else f' x{k}'}{' cold' if cold else ''}": ms
+                                     for (n, k, cold), ms in alone.items()}}
     write_json("overhead", result)
     return result
 

@@ -80,10 +80,10 @@ def test_memory_counts_a_shared_block_once(tiny):
     assert shared_seen
 
 
-@pytest.mark.parametrize("k", [1, 8])
-def test_scheduler_alone_times_pure_decode_steps(k):
+@pytest.mark.parametrize("k,evict_bytes", [(1, 0), (8, 0), (1, 1 << 20)])
+def test_scheduler_alone_times_pure_decode_steps(k, evict_bytes):
     seconds = overhead.scheduler_alone(num_requests=24, steps=5, block_size=4, prompt_len=40, warmup=2,
-                                       num_scheduler_steps=k)
+                                       num_scheduler_steps=k, evict_bytes=evict_bytes)
     assert len(seconds) == 5 and min(seconds) > 0
 
 
