@@ -166,7 +166,7 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
     sequences), preemption and admissions (full steps; with 14 blocks), and the engines' outputs are
     the same. With 40 (80) blocks nothing is preempted: after the first sequence in the batch ends, the
     others sample at lower rows than in the step before, then run steady. With 4 scheduler steps
-    the steady batches are multi-step groups (and single steps between them, as arrivals end groups)."""
+    the steady batches are multi-step groups (single steps run while prompts are computed)."""
     path, hf = tiny
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [5, 9, 3, 14, 7, 11])
