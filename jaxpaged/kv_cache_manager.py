@@ -495,11 +495,16 @@ class KVCacheManager:
         """Cache every block of each ``(request, num_tokens)`` that is full once its first ``num_tokens``
         tokens are written, as far as their token ids are known (an output token still in flight is
         published with a later step). All requests in one pass, everything bound once: a decode step
-        at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256."""
+        at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256.
+        A block after the first, all of it output tokens (what a decode step fills), takes the pool's
+        cache entry inline: ``BlockPool.cache`` with the parent key and tokens read directly."""
         bs, published, all_hashes, hash_fn = self.block_size, self._num_published, self._hashes, self._hash_fn
-        cache, parent_key, block_tokens = self.pool.cache, self._parent_key, self._block_tokens
+        pool = self.pool
+        cache, cached, block_key, generation = pool.cache, pool._cached, pool._block_key, pool._generation
         for request, num_tokens in grown:
-            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            outputs = request.output_token_ids
+            p = len(request.prompt_token_ids)
+            known = p + len(outputs)
             rid = request.request_id
             num_full = (num_tokens if num_tokens < known else known) // bs
             done = published.get(rid, 0)
@@ -509,12 +514,24 @@ class KVCacheManager:
             if hashes is None:
                 hashes = all_hashes[rid] = []
             block_ids = request.block_ids
-            # One pass (a decode step's new block publishes one): each block's tokens read once, for
-            # its hash (if not yet computed: the hashes may run ahead, from a prefix lookup) and its entry.
+            # One pass: each block's tokens read once, for its hash (if not yet computed: the hashes
+            # may run ahead, from a prefix lookup) and its entry.
             for i in range(done, num_full):
-                tokens = block_tokens(request, i)
-                parent = parent_key(request, block_ids, i)
+                lo = i * bs - p
+                if i and lo >= 0:
+                    tokens = tuple(outputs[lo:lo + bs])
+                    prev = block_ids[i - 1]
+                    parent = (prev, generation[prev])
+                    h = hashes[i] if i < len(hashes) else hash_fn(hashes[-1], tokens)
+                    b = block_ids[i]
+                    if block_key[b] is None and h not in cached:
+                        cached[h] = b
+                        block_key[b] = (h, tokens, parent)
+                else:
+                    tokens = self._block_tokens(request, i)
+                    parent = self._parent_key(request, block_ids, i)
+                    h = hashes[i] if i < len(hashes) else hash_fn(hashes[-1] if i else parent, tokens)
+                    cache(block_ids[i], h, tokens, parent)
                 if i == len(hashes):
-                    hashes.append(hash_fn(hashes[-1] if i else parent, tokens))
-                cache(block_ids[i], hashes[i], tokens, parent)
+                    hashes.append(h)
             published[rid] = num_full

@@ -170,6 +170,30 @@ def test_grow_tables_matches_allocate_slots_one_by_one(num_new: int) -> None:
         assert kv.get_computed_blocks(probe) == 12 and probe.block_ids == r.block_ids[:3]
 
 
+@pytest.mark.parametrize("tokens_per_grow", [1, 5])
+def test_decoded_blocks_of_output_tokens_are_hit_by_a_later_prompt(tokens_per_grow: int) -> None:
+    """Blocks holding only output tokens (what decode steps fill, published by grow_tables' inline
+    path) are cached under the tokens and parent a prefix lookup checks: a request whose prompt is
+    the whole decoded sequence reuses every full block, and one whose prompt differs in a single
+    output token reuses only the blocks before it."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_caching=True)
+    (r,) = _decoding(kv, [[1, 2, 3, 4]])
+    outputs = iter(range(200, 230))
+    while r.num_output_tokens < 13:
+        r.num_computed_tokens += tokens_per_grow
+        kv.grow_tables([r])
+        r.output_token_ids += [next(outputs) for _ in range(tokens_per_grow)]
+    r.num_computed_tokens += tokens_per_grow            # the next step opens a block: 0-3 are full, known
+    kv.grow_tables([r])
+    assert r.num_tokens >= 17 and len(r.block_ids) >= 5
+    full = Request("full", r.all_token_ids[:16] + [7], SamplingParams(), max_tokens=1, seed=0)
+    assert kv.get_computed_blocks(full) == 16 and full.block_ids == r.block_ids[:4]
+    changed = r.all_token_ids[:16]
+    changed[10] += 1
+    probe = Request("probe", changed + [7], SamplingParams(), max_tokens=1, seed=0)
+    assert kv.get_computed_blocks(probe) == 8 and probe.block_ids == r.block_ids[:2]
+
+
 def test_grow_tables_short_pool_raises_and_changes_nothing() -> None:
     kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True)     # 4 usable blocks
     reqs = _decoding(kv, [[1, 2, 3, 4], [5, 6, 7, 8]])
