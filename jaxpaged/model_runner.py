@@ -100,6 +100,9 @@ class StepBatch:
     """More than 1: a multi-step decode batch (``SchedulerOutput.num_steps``), one program."""
     row_steps: np.ndarray | None = None
     """[R_b] steps each row of a multi-step batch decodes (padding rows: 0)."""
+    packed: "tuple[np.ndarray, _InputLayout] | None" = None
+    """The int32 inputs packed in one array and their layout (``_pack_inputs``), once built: the
+    arrays above that go into it are views of it when the batch was advanced from the one before."""
 
     @property
     def num_logits(self) -> int:
@@ -190,6 +193,20 @@ def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_wid
                                                   table_rows, logits_indices, prev_index, num_logits, table_writes)]
     return (np.concatenate([a.ravel() for a in arrays]),
             _InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width))
+
+
+@functools.cache
+def _offsets(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Where each array of a packed layout starts in the packed array."""
+    return tuple(itertools.accumulate((math.prod(shape) for shape in shapes[:-1]), initial=0))
+
+
+def _replaced(obj, **changes):
+    """``dataclasses.replace`` for the step's plain dataclasses without running ``__init__`` again:
+    a shallow copy with ``changes``, several times cheaper (a steady decode step makes three)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__, **changes)
+    return new
 
 
 def _unpack_inputs(packed, layout: _InputLayout, tables):
@@ -468,12 +485,12 @@ class ModelRunner:
         """The step's padded host arrays. Also records, for every sequence that samples in this
         step, the row it samples at (the next step's in-flight decode input is read from there)."""
         slots_state = self.slots
-        slots_state.update(out.block_table_updates, out.finished_request_ids)
+        appended = slots_state.update(out.block_table_updates, out.finished_request_ids)
         reqs = out.requests
         children = [c for _, c in out.forks]
         R = len(reqs)
         slots = slots_state.slots(reqs)
-        if (self._steady is not None and self._steady[0] is slots and not children
+        if (self._steady is not None and self._steady[0] is slots and appended and not children
                 and not any(out.num_host_tokens) and all(out.samples)):
             return self._next_steady_batch(self._steady[1], slots, out)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
@@ -533,7 +550,8 @@ class ModelRunner:
             samples = np.fromiter(out.samples, bool, R)
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
-        step_writes, table_writes = self._table_writes(R_b)
+        step_writes = np.empty((3, R_b), np.int32)
+        table_writes = self._table_writes(step_writes)
         b = StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
                       prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
         # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
@@ -545,23 +563,39 @@ class ModelRunner:
 
     def _next_steady_batch(self, last: StepBatch, slots: np.ndarray, out: SchedulerOutput) -> StepBatch:
         """The step after a steady decode step ``last`` of the same sequences, all its tokens in
-        flight: the rows' layout (query starts, logits rows, in-flight token rows, prompt positions:
-        none) is ``last``'s, so only what moves with the positions is built (~15 numpy operations
-        instead of ~40). ``last_sample_row`` already holds each row's own index. Either may be a
-        multi-step group (prepared as its first decode step, its rows' steps going along)."""
-        R, T_b, R_b = len(slots), last.input_ids.shape[0], last.table_rows.shape[0]
-        starts = np.fromiter(out.start_positions, np.int32, R)
-        seq_lens = starts + 1
+        flight, every block-table change since an appended block: the rows' layout (query starts,
+        logits rows, in-flight token rows, table rows, prompt positions: none) is ``last``'s, and each
+        row's position moved by the tokens it computed in ``last`` (1, or its steps in a group). So
+        the packed inputs are ``last``'s with positions, sequence lengths and KV slots advanced by
+        that much, the slots of the rows that entered a new block looked up, and this step's table
+        writes: ~15 numpy operations instead of ~65 (each costs several microseconds once the device
+        step has evicted the host's caches). ``last_sample_row`` already holds each row's own index.
+        Either step may be a multi-step group (prepared as its first decode step, its rows' steps
+        going along)."""
+        R, T_b, R_b, bs = len(slots), last.input_ids.shape[0], last.table_rows.shape[0], self.block_size
+        packed, layout = self._packed_inputs(last)
+        _, at_pos, at_slot, at_len, *_, at_writes = _offsets(layout.shapes)
+        moved = 1 if last.num_steps == 1 else last.row_steps[:R]
+        packed = packed.copy()
+        for at in (at_pos, at_slot, at_len):
+            packed[at:at + R] += moved
+        positions = packed[at_pos:at_pos + R]
+        entered = np.flatnonzero(positions % bs < moved)       # a new block (more steps than a block: always)
+        if len(entered):
+            p = positions[entered]
+            packed[at_slot + entered] = self.slots.block_tables[slots[entered], p // bs] * bs + p % bs
+        seq_lens = packed[at_len:at_len + R_b]
+        step_writes = packed[at_writes:at_writes + 3 * R_b].reshape(3, R_b)
+        table_writes = self._table_writes(step_writes)
         row_steps = self._row_steps(out, R_b)
-        md = dataclasses.replace(last.md, slot_mapping=self._slot_mapping(slots, starts, T_b),
-                                 seq_lens=_padded(seq_lens, R_b, 0))
+        width = self._table_width(seq_lens[:R], row_steps)
+        if width != layout.table_width:
+            layout = _InputLayout(layout.shapes, layout.tile_size, width)
         sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
-        step_writes, table_writes = self._table_writes(R_b)
-        b = dataclasses.replace(last, positions=_padded(starts, T_b, 0), md=md,
-                                table_rows=_padded(self.slots.device_rows(slots), R_b, 0),
-                                table_width=self._table_width(seq_lens, row_steps),
-                                step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
-                                num_steps=out.num_steps, row_steps=row_steps)
+        md = _replaced(last.md, slot_mapping=packed[at_slot:at_slot + T_b], seq_lens=seq_lens)
+        b = _replaced(last, positions=packed[at_pos:at_pos + T_b], md=md, table_width=width,
+                      step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
+                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout))
         self._steady = (slots, b)
         return b
 
@@ -587,14 +621,16 @@ class ModelRunner:
         slot_mapping[:len(positions)] = self.slots.block_tables[slot_of_token, positions // bs] * bs + positions % bs
         return slot_mapping
 
-    def _table_writes(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        """The queued device block-table writes: up to ``size`` of them padded to ``size`` (for the step
-        program), the rest in padded chunks (for the table-write program). Each entry is written once,
-        so the order the two programs apply them in does not matter."""
-        step = np.full((3, size), _NO_ROW, np.int32)
+    def _table_writes(self, step: np.ndarray) -> list[np.ndarray]:
+        """The queued device block-table writes: up to ``size`` of them into ``step`` (``[3, size]``, for
+        the step program; the rest of it padding), the others in padded chunks, returned (for the
+        table-write program). Each entry is written once, so the order the two programs apply them in
+        does not matter."""
+        step.fill(_NO_ROW)
         writes = self.slots.take_table_writes()
         if writes is None:
-            return step, []
+            return []
+        size = step.shape[1]
         n = min(size, writes.shape[1])
         step[:, :n] = writes[:, :n]
         writes = writes[:, n:]
@@ -604,7 +640,7 @@ class ModelRunner:
             chunk = np.full((3, next(u for u in TABLE_WRITE_SIZES if u >= part.shape[1])), _NO_ROW, np.int32)
             chunk[:, :part.shape[1]] = part
             chunks.append(chunk)
-        return step, chunks
+        return chunks
 
     def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
                    host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -669,7 +705,8 @@ class ModelRunner:
         penalty, bias or min_tokens lists) the previous tensors with the new positions."""
         cached = self._sampling_cache
         if cached is not None and cached[0] is slots and cached[1] == S_b and not prompt_widths:
-            return dataclasses.replace(cached[2], position=_padded(positions, S_b, 0)), cached[3]
+            position = positions if len(positions) == S_b else _padded(positions, S_b, 0)
+            return _replaced(cached[2], position=position), cached[3]
         sampling, flags = self._sampling_tensors(seqs, slots, positions, S_b, prompt_widths)
         fixed = not prompt_widths and not self.slots.needs_host_lists[slots].any()
         self._sampling_cache = (slots, S_b, sampling, flags) if fixed else None
@@ -765,8 +802,11 @@ class ModelRunner:
 
     @staticmethod
     def _packed_inputs(b: StepBatch) -> tuple[np.ndarray, _InputLayout]:
-        return _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
-                            b.prev_index, np.int32(b.num_logits), b.step_table_writes)
+        """``b.packed``, built on first use."""
+        if b.packed is None:
+            b.packed = _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
+                                    b.prev_index, np.int32(b.num_logits), b.step_table_writes)
+        return b.packed
 
     def forward(self, b: StepBatch) -> jax.Array:
         """Dispatch the forward program of a one-step batch (its ``table_writes`` must be applied

@@ -121,10 +121,11 @@ class SequenceSlots:
         if d >= 0 and n:
             self._queue_rows(np.array([s]), np.array([d]))
 
-    def update(self, changed: list[TableChange], released: list[str]) -> None:
+    def update(self, changed: list[TableChange], released: list[str]) -> bool:
         """Forget released sequences; copy the changed block tables of the ones with slots. A table
         grown by appended blocks (a decode step opening its next block, the common change) costs
-        their entries in a single scatter for all of them, on the host and on the device."""
+        their entries in a single scatter for all of them, on the host and on the device. Returns
+        whether every change of a sequence with a slot was such a growth (no block it held replaced)."""
         for rid in released:
             s = self._slot.pop(rid, None)
             if s is not None:
@@ -132,6 +133,7 @@ class SequenceSlots:
                 self._drop_row(s)
         rows, cols, ids, grown, lengths = [], [], [], [], []
         num_blocks = self.num_blocks
+        appended = True
         for r, first in changed:
             s = self._slot.get(r.request_id)
             if s is None:
@@ -153,6 +155,7 @@ class SequenceSlots:
                 lengths.append(n)
             else:
                 self.write_table(s, block_ids)
+                appended = False
         if rows:
             self.block_tables[rows, cols] = ids
             num_blocks[grown] = lengths
@@ -162,6 +165,7 @@ class SequenceSlots:
                 self._table_writes.append(np.array([d, cols, ids], np.int32))
             elif held.any():
                 self._table_writes.append(np.array([d, cols, ids], np.int32)[:, held])
+        return appended
 
     def device_rows(self, slots: np.ndarray) -> np.ndarray:
         """The device rows of ``slots`` (one step's sequences, distinct), lending a row to each slot

@@ -207,6 +207,10 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
             np.testing.assert_array_equal(g, w)
         np.testing.assert_array_equal(np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
                                       np.concatenate([want.step_table_writes, *want.table_writes], axis=1))
+        # What the device receives: the packed inputs (a steady batch advances the last one's).
+        (got_packed, got_layout), (want_packed, want_layout) = (type(runner)._packed_inputs(b) for b in (got, want))
+        assert got_layout == want_layout
+        np.testing.assert_array_equal(got_packed, want_packed)
         return got
 
     runner._next_steady_batch = counted_next_steady

@@ -33,6 +33,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         self.live: list[Request] = []       # requests with a slot
         self.released: list[str] = []
         self.counter = 0
+        self.replaced = False       # a table lost or replaced blocks since the runner last looked
 
     def _new(self) -> Request:
         self.counter += 1
@@ -68,6 +69,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
             return
         child = self._new()
         self.kv.fork(parent, child)
+        self.replaced = True                # the child's whole table: rewritten if it had a slot already
         if data.draw(st.booleans()):        # a slot before or after the fork's change is reported
             self.slots.slot(child)
         self.live.append(child)
@@ -77,7 +79,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
     def swap_out(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self.live))
         if not req.host_block_ids:
-            self.kv.swap_out(req)
+            self.replaced |= self.kv.swap_out(req) is not None
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), num_new=st.integers(0, 3))
@@ -86,6 +88,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         fits = self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS
         if req.host_block_ids and fits and self.kv.swap_in(req, num_new) is not None:
             req.num_computed_tokens += num_new
+            self.replaced = True
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), release=st.booleans())
@@ -93,6 +96,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.live))
         self.kv.free(req)
         req.num_computed_tokens = 0
+        self.replaced = True
         if release:
             self.live.remove(req)
             self.released.append(req.request_id)
@@ -104,19 +108,30 @@ class TableCopiesMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.live))
         self.kv.free(req)
         req.num_computed_tokens = 0
+        self.replaced = True
         self._grow(req, num_new)
 
     def _grow(self, req: Request, num_new: int) -> None:
+        before = list(req.block_ids)
         if (self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS
                 and self.kv.allocate_slots(req, num_new)):
             req.num_computed_tokens += num_new
+            self.replaced |= req.block_ids[:len(before)] != before        # copied on write
 
     @invariant()
     def copies_equal_tables(self) -> None:
         if not hasattr(self, "kv"):
             return
-        self.slots.update(self.kv.take_changed_tables(), self.released)
-        self.released = []
+        held = {r.request_id: self.slots.block_tables[s, :self.slots.num_blocks[s]].tolist()
+                for r in self.live if (s := self.slots._slot.get(r.request_id)) is not None}
+        appended = self.slots.update(self.kv.take_changed_tables(), self.released)
+        # Only growth since the last look: reported as such (the runner's steady step relies on it, and
+        # on its converse: every table of a sequence with a slot still starts with the blocks it held).
+        assert appended or self.replaced
+        if appended:
+            assert all(r.block_ids[:len(held[r.request_id])] == held[r.request_id] for r in self.live
+                       if r.request_id in held)
+        self.released, self.replaced = [], False
         for req in self.live:
             s = self.slots.slot(req)
             n = len(req.block_ids)
@@ -129,8 +144,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         """A step runs up to ``DEVICE_ROWS`` live sequences: each reads its table from its device row."""
-        self.slots.update(self.kv.take_changed_tables(), self.released)
-        self.released = []
+        self.copies_equal_tables()
         running = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=DEVICE_ROWS, unique=True))
         slots = np.array([self.slots.slot(r) for r in running], np.int32)
         rows = self.slots.device_rows(slots)
