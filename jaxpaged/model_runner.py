@@ -103,6 +103,10 @@ class StepBatch:
     packed: "tuple[np.ndarray, _InputLayout] | None" = None
     """The int32 inputs packed in one array and their layout (``_pack_inputs``), once built: the
     arrays above that go into it are views of it when the batch was advanced from the one before."""
+    programs_known: bool = False
+    """Its programs (``program_keys``) are known to be in the runner's ``program_keys``: a steady batch
+    of the same shapes, flags and steps as the batch before (checking the keys costs ~40 us with the
+    host's caches cold, most of it hashing the sampler flags)."""
 
     @property
     def num_logits(self) -> int:
@@ -593,9 +597,14 @@ class ModelRunner:
             layout = _InputLayout(layout.shapes, layout.tile_size, width)
         sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
         md = _replaced(last.md, slot_mapping=packed[at_slot:at_slot + T_b], seq_lens=seq_lens)
+        # The programs' keys are the last batch's but for these (its penalty and bias lists may change).
+        same_programs = (width == last.table_width and flags is last.flags and out.num_steps == last.num_steps
+                         and sampling.penalty_rows.shape == last.sampling.penalty_rows.shape
+                         and sampling.bias_rows.shape == last.sampling.bias_rows.shape)
         b = _replaced(last, positions=packed[at_pos:at_pos + T_b], md=md, table_width=width,
                       step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
-                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout))
+                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout),
+                      programs_known=last.programs_known and same_programs)
         self._steady = (slots, b)
         return b
 
@@ -781,10 +790,12 @@ class ModelRunner:
 
     def run_batch(self, b: StepBatch) -> LaunchedStep:
         """The device part of a step: inputs over, forward (KV donated), sampler; not waited for."""
-        for key in b.program_keys:
-            if key not in self.program_keys:
-                self.program_keys.add(key)
-                logger.debug("compiling step program %s", key)
+        if not b.programs_known:
+            for key in b.program_keys:
+                if key not in self.program_keys:
+                    self.program_keys.add(key)
+                    logger.debug("compiling step program %s", key)
+            b.programs_known = True
         # Host arrays go straight into the jitted calls: their C++ dispatch copies them to the device
         # several times faster than a jax.device_put of the tree.
         self._write_tables(b.table_writes)
@@ -873,7 +884,7 @@ class ModelRunner:
                                   sampling, empty, empty, 0, flags)
                 self.collect(self.run_batch(batch))
                 if num_steps > 1 and T_b <= self.token_bucket(self.max_num_seqs):
-                    self.collect(self.run_batch(dataclasses.replace(batch, num_steps=num_steps,
+                    self.collect(self.run_batch(dataclasses.replace(batch, num_steps=num_steps, programs_known=False,
                                                                     row_steps=np.zeros(R_b, np.int32))))
         return self.num_compiled_programs - before
 

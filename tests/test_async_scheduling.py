@@ -213,12 +213,44 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
         np.testing.assert_array_equal(got_packed, want_packed)
         return got
 
+    def checked_run_batch(b):
+        # A steady batch may skip registering its programs only if they are registered already.
+        launched = type(runner).run_batch(runner, b)
+        assert set(b.program_keys) <= runner.program_keys
+        return launched
+
     runner._next_steady_batch = counted_next_steady
     runner.prepare = compared_prepare
+    runner.run_batch = checked_run_batch
     got = _run(engine, workload)
     assert len(steady) > 10 / num_steps and (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
     assert any(groups) == (num_steps > 1)
     assert got == _run(_engine(path, num_gpu_blocks_override=num_blocks, async_scheduling=False), workload)
+
+
+def test_steady_steps_register_a_new_context_bucket(tiny):
+    """A steady decode step whose sequences grow into the next context bucket (the XLA attention
+    backend reads a power-of-two number of block-table columns, from 256 tokens' worth, or all) uses
+    another forward program: it is registered (counted) like any other, and the outputs match the
+    synchronous engine's."""
+    path, _ = tiny
+    workload = [("long", [5, 9, 11, 3], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))]
+    engine = _engine(path, num_gpu_blocks_override=80, attention_backend="xla")
+    runner = engine.runner
+    widths = []
+
+    def checked_run_batch(b):
+        launched = type(runner).run_batch(runner, b)
+        assert set(b.program_keys) <= runner.program_keys
+        widths.append((b.table_width, runner._steady is not None and runner._steady[1] is b))
+        return launched
+
+    runner.run_batch = checked_run_batch
+    got = _run(engine, workload)
+    steady_widths = [w for w, steady in widths if steady]
+    assert len(set(steady_widths)) > 1
+    assert got == _run(_engine(path, num_gpu_blocks_override=80, attention_backend="xla", async_scheduling=False),
+                       workload)
 
 
 def test_output_kinds(tiny):
