@@ -473,10 +473,11 @@ class LLMEngine:
         plain = sampled.logprobs.size == 0
         columns = sampled.tokens.T.tolist()
         rest = []
+        running = RequestStatus.RUNNING
         for j, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             ids, stream = req.output_token_ids, req.stream_stop_ids
             stops = req.final_stop_ids if stream is None else stream
-            if plain and stops is not None and not req.is_finished:
+            if plain and stops is not None and (req.status is running or not req.is_finished):
                 new = columns[j][:n] if n < k else columns[j]
                 if len(ids) + n < req.max_tokens and stops.isdisjoint(new):
                     if not ids:
@@ -497,18 +498,22 @@ class LLMEngine:
         """Append one step's sampled token to each ``(row, request)`` of ``rows`` and check its stops;
         the groups with something to report go to ``touched``, the beam searches to ``searches``."""
         tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
-        beam_of = self._beam_of
+        beam_of, running = self._beam_of, RequestStatus.RUNNING
         for i, req in rows:
             req.num_output_placeholders -= 1
-            if req.is_finished:             # aborted (or stopped) while this step ran: its token is dropped
+            # Aborted (or stopped) while this step ran: its token is dropped. The identity test first:
+            # a property call per row costs ~0.2 us, 50 us a step at 256 rows (measured).
+            if req.status is not running and req.is_finished:
                 continue
-            search = beam_of.get(req.request_id) if beam_of else None
-            if search is not None:
-                k2 = 2 * search.params.beam_width
-                search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(), sampled.top_logprobs[i, :k2].tolist())
-                req.waiting_for_group = True
-                searches[search.root.request_id] = search
-                continue
+            if beam_of:
+                search = beam_of.get(req.request_id)
+                if search is not None:
+                    k2 = 2 * search.params.beam_width
+                    search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(),
+                                                      sampled.top_logprobs[i, :k2].tolist())
+                    req.waiting_for_group = True
+                    searches[search.root.request_id] = search
+                    continue
             ids = req.output_token_ids
             if not ids:
                 req.first_token_time = now
