@@ -496,11 +496,11 @@ class KVCacheManager:
         tokens are written, as far as their token ids are known (an output token still in flight is
         published with a later step). All requests in one pass, everything bound once: a decode step
         at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256.
-        A block after the first, all of it output tokens (what a decode step fills), takes the pool's
-        cache entry inline: ``BlockPool.cache`` with the parent key and tokens read directly."""
+        A block after the first, all of it output tokens (what a decode step fills), reads its tokens
+        from the outputs once (one tuple, for its hash and its entry) and its parent's key from the pool."""
         bs, published, all_hashes, hash_fn = self.block_size, self._num_published, self._hashes, self._hash_fn
         pool = self.pool
-        cache, cached, block_key, generation = pool.cache, pool._cached, pool._block_key, pool._generation
+        cache, parent_key = pool.cache, pool.parent_key
         for request, num_tokens in grown:
             outputs = request.output_token_ids
             p = len(request.prompt_token_ids)
@@ -520,18 +520,12 @@ class KVCacheManager:
                 lo = i * bs - p
                 if i and lo >= 0:
                     tokens = tuple(outputs[lo:lo + bs])
-                    prev = block_ids[i - 1]
-                    parent = (prev, generation[prev])
-                    h = hashes[i] if i < len(hashes) else hash_fn(hashes[-1], tokens)
-                    b = block_ids[i]
-                    if block_key[b] is None and h not in cached:
-                        cached[h] = b
-                        block_key[b] = (h, tokens, parent)
+                    parent = parent_key(block_ids[i - 1])
                 else:
                     tokens = self._block_tokens(request, i)
                     parent = self._parent_key(request, block_ids, i)
-                    h = hashes[i] if i < len(hashes) else hash_fn(hashes[-1] if i else parent, tokens)
-                    cache(block_ids[i], h, tokens, parent)
+                h = hashes[i] if i < len(hashes) else hash_fn(hashes[-1] if i else parent, tokens)
+                cache(block_ids[i], h, tokens, parent)
                 if i == len(hashes):
                     hashes.append(h)
             published[rid] = num_full
