@@ -289,9 +289,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
         self._hash_fn = hash_fn
-        # Per request: hashes of its full blocks so far, and how many of them are published.
-        self._hashes: dict[str, list[BlockHash]] = {}
-        self._num_published: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -398,10 +395,8 @@ class KVCacheManager:
         self.shared_tails.update((parent.request_id, child.request_id))
         self._mark_changed(child)
         child.num_computed_tokens = parent.num_computed_tokens
-        if parent.request_id in self._hashes:
-            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
-        if parent.request_id in self._num_published:
-            self._num_published[child.request_id] = self._num_published[parent.request_id]
+        child.block_hashes = list(parent.block_hashes)
+        child.num_published_blocks = parent.num_published_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to host pages: returns (device, host) pairs to copy before
@@ -416,7 +411,7 @@ class KVCacheManager:
         self._mark_changed(request)
         self.shared_tails.discard(request.request_id)
         request.host_block_ids = host
-        self._num_published.pop(request.request_id, None)
+        request.num_published_blocks = 0
         return pairs
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
@@ -457,7 +452,7 @@ class KVCacheManager:
         if hits:
             self._mark_changed(request)
         request.num_computed_tokens = len(hits) * self.block_size
-        self._num_published[request.request_id] = len(hits)
+        request.num_published_blocks = len(hits)
         self.stats.queries += request.num_tokens
         self.stats.hits += request.num_computed_tokens
         return request.num_computed_tokens
@@ -472,8 +467,8 @@ class KVCacheManager:
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
-        self._hashes.pop(request.request_id, None)
-        self._num_published.pop(request.request_id, None)
+        request.block_hashes = []
+        request.num_published_blocks = 0
 
     def _parent_key(self, request: Request, block_ids: list[int], i: int) -> ParentKey:
         return root_hash(request.cache_salt) if i == 0 else self.pool.parent_key(block_ids[i - 1])
@@ -484,7 +479,7 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
         """The request's chained block hashes, extended (never recomputed) to at least ``num_full``;
         the request's own list (it may hold more), not a copy."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         for i in range(len(hashes), num_full):
             parent = self._hash_fn(parent, self._block_tokens(request, i))
@@ -498,21 +493,18 @@ class KVCacheManager:
         at 256 running requests and block size 8 publishes ~32 blocks, a multi-step group of 8 ~256.
         A block after the first, all of it output tokens (what a decode step fills), reads its tokens
         from the outputs once (one tuple, for its hash and its entry) and its parent's key from the pool."""
-        bs, published, all_hashes, hash_fn = self.block_size, self._num_published, self._hashes, self._hash_fn
+        bs, hash_fn = self.block_size, self._hash_fn
         pool = self.pool
         cache, parent_key = pool.cache, pool.parent_key
         for request, num_tokens in grown:
             outputs = request.output_token_ids
             p = len(request.prompt_token_ids)
             known = p + len(outputs)
-            rid = request.request_id
             num_full = (num_tokens if num_tokens < known else known) // bs
-            done = published.get(rid, 0)
+            done = request.num_published_blocks
             if num_full <= done:
                 continue
-            hashes = all_hashes.get(rid)
-            if hashes is None:
-                hashes = all_hashes[rid] = []
+            hashes = request.block_hashes
             block_ids = request.block_ids
             # One pass: each block's tokens read once, for its hash (if not yet computed: the hashes
             # may run ahead, from a prefix lookup) and its entry.
@@ -528,4 +520,4 @@ class KVCacheManager:
                 cache(block_ids[i], h, tokens, parent)
                 if i == len(hashes):
                     hashes.append(h)
-            published[rid] = num_full
+            request.num_published_blocks = num_full

@@ -90,6 +90,11 @@ class Request:
     shared empty tuple, which the scheduler's test for forks finds in cache, unlike a list of its own.)"""
     block_ids: list[int] = field(default_factory=list)
     """Physical KV blocks, in logical order; filled by the KVCacheManager."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Prefix-cache hashes of its full blocks so far (KVCacheManager's; may run ahead of
+    ``block_ids`` after a prefix lookup), as vLLM keeps them on the request."""
+    num_published_blocks: int = 0
+    """Leading ``block_ids`` published to the prefix cache (KVCacheManager's)."""
     cache_salt: str | None = None
     """Isolates prefix-cache sharing: only requests with the same salt share blocks."""
     prompt: str | None = None
