@@ -33,7 +33,7 @@ def _native_extension(name: str) -> Extension:
     return Extension(
         f"pallas_kernels.{name}",
         sources=[f"pallas_kernels/csrc/{name.lstrip('_')}.cc"],
-        depends=["pallas_kernels/csrc/bf16.h", "pallas_kernels/csrc/vec16.h"],
+        depends=["pallas_kernels/csrc/bf16.h", "pallas_kernels/csrc/vec16.h", "pallas_kernels/csrc/stacked.h"],
         include_dirs=[_ffi_include_dir()],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off",

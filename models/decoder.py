@@ -8,7 +8,12 @@ HF config into one and maps its HF tensor names onto this param tree (``convert_
 The model sees a flat ragged batch of tokens and the global KV page array, never requests.
 Layers are unrolled, each with its own parameter arrays (``layers_0`` ... ``layers_{L-1}``): on
 CPU a scan over stacked weights made XLA copy every layer's weight slice each step, which cost
-half of a small-batch decode step. Each layer scatters its new K/V into the page array
+half of a small-batch decode step (and so would a static slice per layer). With the native CPU
+matmul (``matmul_backend="cpu"``) every kind of layer weight is instead one array stacked over the
+layers (``layers`` below, each leaf ``[L, ...]``), which the native kernels read at the layer's
+offset in place (``pack_for_matmul_backend`` stacks them): a step's jitted call then takes SmolLM2's
+parameters as 9 arrays instead of 183, and each array argument costs the host ~2 us at every call.
+Each layer scatters its new K/V into the page array
 ``[L, 2, num_blocks, block_size, Hkv, D]`` in place (``write_kv``), addressed by its (static)
 layer index, then attends through ``paged_attention`` (every backend).
 
@@ -176,30 +181,40 @@ class Linear(nn.Module):
     at load), or its quantized weight (uint8); otherwise the ``[in, out]`` kernel goes through XLA's dot. ``out_dtype`` (default
     ``dtype``) float32 keeps a bfloat16 layer's float32 accumulation (the LM head's logits).
     ``num_rows`` (an int32 scalar) counts the leading rows of ``x`` that are real tokens: the native
-    matmul computes only those (the rest come out zero); XLA's dot computes every row."""
+    matmul computes only those (the rest come out zero); XLA's dot computes every row.
+    ``num_layers`` > 0: the params stack every layer's along a leading axis and a call computes
+    layer ``layer`` (the native matmul reads its kernel in place)."""
 
     features: int
     use_bias: bool
     dtype: Any
     backend: str = "xla"
     out_dtype: Any = None
+    num_layers: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None, layer: int | None = None) -> jax.Array:
         k = x.shape[-1]
+        stack = (self.num_layers,) if self.num_layers else ()
         if self.backend == "cpu":
             kernel = self.get_variable("params", "kernel")
             if kernel is None or kernel.dtype != jnp.uint8:     # else a quantized weight (cpu_matmul.pack_quantized)
                 shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
-                kernel = self.param("kernel", nn.initializers.zeros, shape, self.dtype)
-            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows)
+                kernel = self.param("kernel", nn.initializers.zeros, stack + shape, self.dtype)
+            y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows, layer)
             y = y.reshape(*x.shape[:-1], self.features)
         else:
-            kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features), self.dtype)
-            y = jnp.dot(x, kernel, preferred_element_type=self.out_dtype)
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), stack + (k, self.features), self.dtype)
+            y = jnp.dot(x, _layer_of(kernel, layer), preferred_element_type=self.out_dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(y.dtype)
+            bias = self.param("bias", nn.initializers.zeros, stack + (self.features,), self.dtype)
+            y = y + _layer_of(bias, layer).astype(y.dtype)
         return y
+
+
+def _layer_of(param: jax.Array, layer: int | None) -> jax.Array:
+    """A layer's slice of a param stacked over the layers (``layer`` None: ``param`` is one layer's)."""
+    return param if layer is None else param[layer]
 
 
 class Norm(nn.Module):
@@ -208,19 +223,24 @@ class Norm(nn.Module):
     With ``residual`` the norm is of ``x + residual`` and returns ``(x + residual, normed)``, as
     vLLM's ``RMSNorm(x, residual)``: with ``native`` (the native CPU kernels, one device) a float32 or
     bfloat16 RMSNorm is then one C++ pass (``cpu_rms_norm``) instead of XLA's add, reduction and
-    scaling fusions; rows from ``num_rows`` on (padding) may come out zero."""
+    scaling fusions; rows from ``num_rows`` on (padding) may come out zero. ``num_layers`` and
+    ``layer``: as ``Linear``'s (the native kernel reads a stacked weight in place)."""
 
     kind: str
     eps: float
     dtype: Any
     native: bool = False
+    num_layers: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None, num_rows: jax.Array | None = None):
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, num_rows: jax.Array | None = None,
+                 layer: int | None = None):
         d = x.shape[-1]
-        w = self.param("weight", nn.initializers.ones, (d,), self.dtype)
+        stack = (self.num_layers,) if self.num_layers else ()
+        w = self.param("weight", nn.initializers.ones, stack + (d,), self.dtype)
         if self.native and self.kind == "rmsnorm" and x.ndim == 2 and x.dtype == w.dtype and x.dtype in NATIVE_DTYPES:
-            return cpu_rms_norm(x, w, self.eps, residual, num_rows)
+            return cpu_rms_norm(x, w, self.eps, residual, num_rows, layer)
+        w = _layer_of(w, layer)
         if residual is not None:
             x = x + residual
         x32 = x.astype(jnp.float32)
@@ -229,7 +249,7 @@ class Norm(nn.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         y = w * x32.astype(self.dtype)
         if self.kind == "layernorm":
-            y = y + self.param("bias", nn.initializers.zeros, (d,), self.dtype)
+            y = y + _layer_of(self.param("bias", nn.initializers.zeros, stack + (d,), self.dtype), layer)
         return y if residual is None else (x, y)
 
 
@@ -243,25 +263,29 @@ def native_layer_ops(attention_backend: str, mesh: Any) -> bool:
 class DecoderLayer(nn.Module):
     """One attention + MLP block for layer ``layer`` of the pages: ``(h, delta, kv_pages) -> (h, delta,
     kv_pages)``, the residual stream being ``h + delta`` (``delta`` None: ``h``). A pre-norm layer leaves
-    its last residual add to the next norm, which fuses it (``Norm(x, residual)``)."""
+    its last residual add to the next norm, which fuses it (``Norm(x, residual)``). With ``num_layers``
+    > 0 one instance holds every layer's params, stacked, and each call runs layer ``layer``."""
 
     cfg: DecoderConfig
     dtype: Any
     attention_backend: str
-    layer: int = 0
     mesh: Any = None    # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
     matmul_backend: str = "xla"
+    num_layers: int = 0
 
     @nn.compact
     def __call__(self, h: jax.Array, delta: jax.Array | None, kv_pages: jax.Array,
-                 rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata):
-        c, layer = self.cfg, self.layer
+                 rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata, layer: int):
+        c = self.cfg
         T = h.shape[0]
         num_rows = md.num_real_tokens
         native = native_layer_ops(self.attention_backend, self.mesh)
-        dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend)
-        attn_norm = Norm(c.norm, c.norm_eps, self.dtype, native, name="input_layernorm")
-        mlp_norm = Norm(c.norm, c.norm_eps, self.dtype, native, name="post_attention_layernorm")
+        # The params' layer: ours when they are stacked, else they are this layer's own.
+        pick = layer if self.num_layers else None
+        dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend, num_layers=self.num_layers)
+        norm = functools.partial(Norm, c.norm, c.norm_eps, self.dtype, native, self.num_layers)
+        attn_norm = functools.partial(norm(name="input_layernorm"), layer=pick)
+        mlp_norm = functools.partial(norm(name="post_attention_layernorm"), layer=pick)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         if not c.pre_norm:
@@ -270,7 +294,7 @@ class DecoderLayer(nn.Module):
             x = attn_norm(h, num_rows=num_rows)
         else:
             h, x = attn_norm(h, delta, num_rows)
-        qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, num_rows)
+        qkv = dense(q_size + 2 * kv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, num_rows, pick)
         if native and rope is not None and qkv.ndim == 2 and qkv.dtype in NATIVE_DTYPES:
             q, k, v = cpu_rope_qkv(qkv, *rope, c.num_heads, c.num_kv_heads, num_rows)
         else:
@@ -283,22 +307,22 @@ class DecoderLayer(nn.Module):
         scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
         attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
                                scale=scale, sliding_window=c.sliding_window)
-        o = dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows)
+        o = dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows, pick)
         if c.pre_norm:
             h, x = mlp_norm(h, o, num_rows)
         else:
             h = x = attn_norm(h + o)
         act = functools.partial(activate, c.activation)
         if c.gated_mlp:
-            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows)
+            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows, pick)
             if native and c.activation == "silu" and gate_up.ndim == 2 and gate_up.dtype in NATIVE_DTYPES:
                 y = cpu_silu_and_mul(gate_up, num_rows)
             else:
                 gate, up = split_fused(gate_up, (c.intermediate_size, c.intermediate_size), self.mesh)
                 y = act(gate) * up
         else:
-            y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x, num_rows))
-        down = dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows)
+            y = act(dense(c.intermediate_size, use_bias=c.mlp_bias, name="up_proj")(x, num_rows, pick))
+        down = dense(c.hidden_size, use_bias=c.mlp_bias, name="down_proj")(y, num_rows, pick)
         if c.pre_norm:
             return h, down, kv_pages
         return mlp_norm(h + down), None, kv_pages
@@ -332,9 +356,14 @@ class DecoderForCausalLM(nn.Module):
             h = h + Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, self.dtype,
                           name="embed_positions")(positions + c.position_offset)
         delta = None
-        for i in range(c.num_layers):
-            h, delta, kv_pages = DecoderLayer(c, self.dtype, self.attention_backend, i, self.mesh,
-                                              self.matmul_backend, name=layer_name(i))(h, delta, kv_pages, rope, md)
+        # The native CPU matmul reads every layer's weights from arrays stacked over the layers.
+        stacked = self.matmul_backend == "cpu"
+        layers = ([DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, self.matmul_backend, c.num_layers,
+                                name="layers")] * c.num_layers if stacked else
+                  [DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, self.matmul_backend,
+                                name=layer_name(i)) for i in range(c.num_layers)])
+        for i, layer in enumerate(layers):
+            h, delta, kv_pages = layer(h, delta, kv_pages, rope, md, i)
         h = h[logits_indices]
         delta = None if delta is None else delta[logits_indices]
         if c.final_norm:
@@ -360,9 +389,11 @@ def runs_quantized(backend: str) -> bool:
 def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backend: str) -> dict:
     """The param tree the model runs with on ``backend``: as stored for ``xla``; for ``cpu`` every
     dense kernel packed for the native matmul (host numpy, once), plus a tied model's ``lm_head``
-    (its embedding, transposed, packed). Where ``runs_quantized``, a kernel that came with
+    (its embedding, transposed, packed), and the layers' params stacked (``layers``, each leaf
+    ``[L, ...]``, see the module doc). Where ``runs_quantized``, a kernel that came with
     ``kernel_blocks`` (``convert_hf``) is the native matmul's quantized weight instead (bit-identical
-    results, a fifth of the bytes). ``kernel_blocks`` never stay in the tree."""
+    results, a fifth of the bytes), if every layer's kernel of its kind is (in one code width);
+    otherwise that kind is dense in every layer. ``kernel_blocks`` never stay in the tree."""
     blocks, plain = {}, {}
 
     def split(node: dict, out: dict, path: tuple) -> None:
@@ -380,14 +411,25 @@ def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backen
         plain["lm_head"] = {"kernel": np.asarray(plain["embed_tokens"]["embedding"]).T}
     quantize = runs_quantized(backend)
 
-    def pack(path, a):
+    def pack(path, a, quantized=True):
         if path[-1].key != "kernel":
             return a
         module = tuple(p.key for p in path[:-1])
-        if quantize and module in blocks:
+        if quantize and quantized and module in blocks:
             return cpu_matmul.pack_quantized(*blocks[module])
         return cpu_matmul.pack_weight(np.asarray(a), dtype)
-    return jax.tree_util.tree_map_with_path(pack, plain)
+    packed = jax.tree_util.tree_map_with_path(pack, plain)
+    names = [layer_name(i) for i in range(cfg.num_layers)]
+    layers = [packed.pop(name) for name in names]
+
+    def stack(path, *leaves):
+        if any(a.shape != leaves[0].shape or a.dtype != leaves[0].dtype for a in leaves):
+            leaves = [pack((jax.tree_util.DictKey(name), *path),
+                           functools.reduce(lambda node, key: node[key.key], path, plain[name]), quantized=False)
+                      for name in names]
+        return np.stack(leaves)
+    packed["layers"] = jax.tree_util.tree_map_with_path(stack, *layers)
+    return packed
 
 
 def param_shapes(cfg: DecoderConfig, dtype: Any) -> dict:

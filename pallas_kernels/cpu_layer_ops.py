@@ -64,25 +64,31 @@ def cpu_rope_qkv(qkv: jax.Array, cos_table: jax.Array, sin_table: jax.Array, num
 
 
 def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Array | None = None,
-                 num_rows: jax.Array | None = None):
+                 num_rows: jax.Array | None = None, layer: int | None = None):
     """RMSNorm of the rows of ``h[T, d]``: ``weight * round(s * rsqrt(mean(s * s) + eps))``, statistics
     in float32, ``round`` to ``h``'s dtype (float32 or bfloat16), as HF's ``LlamaRMSNorm`` rounds.
 
     With ``residual`` (like ``h``) the norm is of ``s = h + residual`` (rounded), and the result is
     ``(s, normed)``: the residual add and the norm after it in one pass. Rows from ``num_rows`` (an
-    int32 scalar; None: all) on are a padded batch's padding and come out zero."""
+    int32 scalar; None: all) on are a padded batch's padding and come out zero. With ``layer`` (a
+    static int) ``weight`` is ``[L, d]``, every layer's, and row ``layer`` is read in place (as
+    ``cpu_matmul.matmul``'s stacked weights)."""
     _require_kernels()
-    if h.ndim != 2 or weight.shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
-        raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {weight.shape}, "
+    w_shape = weight.shape if layer is None else weight.shape[1:]
+    if layer is not None and (weight.ndim != 2 or not 0 <= layer < weight.shape[0]):
+        raise ValueError(f"layer {layer} is not in the stacked weight of shape {weight.shape}")
+    if h.ndim != 2 or w_shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
+        raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {w_shape}, "
                          f"{None if residual is None else residual.shape}")
     if h.dtype not in NATIVE_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
         raise ValueError(f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
                          f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}")
     rows = row_count(num_rows, h.shape[0])
     out = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    attrs = {"eps": np.float32(eps), "layer": np.int64(layer or 0)}
     if residual is None:
-        return jax.ffi.ffi_call(_NORM_TARGET, out)(h, weight, rows, eps=np.float32(eps))
-    return tuple(jax.ffi.ffi_call(_ADD_NORM_TARGET, (out, out))(h, residual, weight, rows, eps=np.float32(eps)))
+        return jax.ffi.ffi_call(_NORM_TARGET, out)(h, weight, rows, **attrs)
+    return tuple(jax.ffi.ffi_call(_ADD_NORM_TARGET, (out, out))(h, residual, weight, rows, **attrs))
 
 
 def cpu_silu_and_mul(gate_up: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:

@@ -127,8 +127,8 @@ def pack_quantized(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> 
     return np.concatenate([rows.reshape(panels, -1), qparams.reshape(panels, -1).view(np.uint8)], axis=1)
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: jax.Array | int | None = None
-           ) -> jax.Array:
+def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: jax.Array | int | None = None,
+           layer: int | None = None) -> jax.Array:
     """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in
     ``out_dtype``: x's dtype (default), or float32 for bfloat16 x (the float32 accumulators as they
     are, unrounded: a model's logits, without a separate conversion pass).
@@ -140,7 +140,12 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     ``packed`` may also be a quantized weight (``pack_quantized``, uint8), for either dtype of ``x``:
     the result is the same as with ``pack_weight`` of the dequantized weight (cast to x's dtype).
 
-    Jittable with ``n`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
+    ``layer`` (a static int): ``packed`` stacks one such weight per layer along a leading axis
+    (``np.stack`` of them) and the product is with weight ``layer``, read in place (a slice
+    ``packed[layer]`` would be copied before the call). A model passes one stacked array per kind of
+    weight: each array argument of a jitted call costs host time at every call.
+
+    Jittable with ``n`` and ``layer`` static. Raises ``ValueError`` on a dtype other than float32/bfloat16, on
     ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
     """
     if not native_matmul_available():
@@ -153,21 +158,31 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     if x.ndim != 2:
         raise ValueError(f"expected x[M, K], got shape {x.shape}")
     n, k = int(n), x.shape[1]
+    weight = _layer_shape(packed, layer)
     quantized = jnp.dtype(packed.dtype) == jnp.dtype(jnp.uint8)
     if quantized:
-        if packed.ndim != 2 or k == 0 or k % QUANT_BLOCK or packed.shape[1] not in (k * 24, k * 40):
-            raise ValueError(f"the quantized weight of shape {packed.shape} does not fit x[M, {k}]: expected "
+        if len(weight) != 2 or k == 0 or k % QUANT_BLOCK or weight[1] not in (k * 24, k * 40):
+            raise ValueError(f"the quantized weight of shape {weight} does not fit x[M, {k}]: expected "
                              f"[P, {k} * 24 or {k} * 40] with K a positive multiple of {QUANT_BLOCK}")
     else:
         if jnp.dtype(packed.dtype) != dtype:
             raise ValueError(f"x is {dtype} but the packed weight is {jnp.dtype(packed.dtype)}; pack the weight "
                              f"with pack_weight(w, {dtype}) (casting here would copy the weight on every call)")
-        if packed.ndim != 3 or packed.shape[2] != PANEL:
-            raise ValueError(f"expected a packed weight [P, K, {PANEL}], got shape {packed.shape}")
-        if packed.shape[1] != k:
-            raise ValueError(f"K does not match: x has {k} columns, the packed weight {packed.shape[1]} rows")
-    if n < 0 or -(-n // PANEL) != packed.shape[0]:
-        raise ValueError(f"n={n} does not match the weight's {packed.shape[0]} panels of {PANEL} columns")
+        if len(weight) != 3 or weight[2] != PANEL:
+            raise ValueError(f"expected a packed weight [P, K, {PANEL}], got shape {weight}")
+        if weight[1] != k:
+            raise ValueError(f"K does not match: x has {k} columns, the packed weight {weight[1]} rows")
+    if n < 0 or -(-n // PANEL) != weight[0]:
+        raise ValueError(f"n={n} does not match the weight's {weight[0]} panels of {PANEL} columns")
     rows = row_count(num_rows, x.shape[0])
     call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return call(x, packed, rows)
+    return call(x, packed, rows, layer=np.int64(layer or 0))
+
+
+def _layer_shape(packed: jax.Array, layer: int | None) -> tuple[int, ...]:
+    """The shape of the weight ``matmul`` multiplies by: ``packed``'s, or with ``layer`` one stacked layer's."""
+    if layer is None:
+        return tuple(packed.shape)
+    if packed.ndim < 1 or not 0 <= layer < packed.shape[0]:
+        raise ValueError(f"layer {layer} is not in the stacked weight of shape {packed.shape}")
+    return tuple(packed.shape[1:])

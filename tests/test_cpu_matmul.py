@@ -320,3 +320,39 @@ def test_auto_backend_takes_xla_for_float32_dense_weights_without_vectors(monkey
         assert resolve_matmul_backend("auto", "cpu", jnp.bfloat16) == "cpu"
         assert resolve_matmul_backend("cpu", "cpu", jnp.float32) == "cpu"
         assert resolve_matmul_backend("auto", "cpu", jnp.float32, num_devices=2) == "xla"
+
+
+# ---------------------------------------------------------------- weights stacked over layers
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q4", "q8"])
+def test_stacked_weight_layer_is_bit_identical_to_its_own_weight(kind):
+    """``layer`` reads one weight of a stack in place: the product equals the product with that weight
+    alone, to the bit, for every layer (a wrong offset would read another layer's weight or run off
+    the end of the stack), under jit too."""
+    k, n, m = 64, 49, 5
+    dtype = jnp.bfloat16 if kind == "bfloat16" else jnp.float32
+    if kind in ("q4", "q8"):
+        weights = [pack_quantized(*_affine(k, n, int(kind[1:]), seed=i)[:3]) for i in range(3)]
+    else:
+        weights = [pack_weight(_data(1, k, n, seed=i)[1], dtype) for i in range(3)]
+    stacked = jnp.asarray(np.stack(weights))
+    x = jnp.asarray(_data(m, k, n, seed=9)[0], dtype)
+    for layer, w in enumerate(weights):
+        alone = np.asarray(matmul(x, jnp.asarray(w), n, num_rows=4))
+        got = np.asarray(matmul(x, stacked, n, num_rows=4, layer=layer))
+        jitted = np.asarray(jax.jit(matmul, static_argnums=(2,), static_argnames="layer")(x, stacked, n, layer=layer))
+        np.testing.assert_array_equal(got, alone)
+        np.testing.assert_array_equal(jitted[:4], alone[:4])
+    assert not np.array_equal(np.asarray(matmul(x, stacked, n, layer=0)), np.asarray(matmul(x, stacked, n, layer=1)))
+
+
+def test_stacked_weight_errors():
+    x, w = _data(4, 8, 10)
+    stacked = jnp.asarray(np.stack([pack_weight(w, jnp.float32)] * 2))
+    for layer in (2, -1):
+        with pytest.raises(ValueError, match=f"layer {layer} is not in the stacked weight"):
+            matmul(jnp.asarray(x), stacked, 10, layer=layer)
+    with pytest.raises(ValueError, match=r"expected a packed weight \[P, K, 32\]"):
+        matmul(jnp.asarray(x), stacked, 10)          # a stack without a layer
+    with pytest.raises(ValueError, match="K does not match"):
+        matmul(jnp.asarray(x[:, :7]), stacked, 10, layer=1)

@@ -124,6 +124,31 @@ def test_native_rms_norm_zeroes_padding_rows() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_rms_norm_reads_a_stacked_weight_in_place(dtype) -> None:
+    """With ``layer`` the weight is ``[L, d]``, every layer's: the result equals the norm with that
+    layer's weight alone, with and without the fused residual add, under jit; and the non-native
+    path (``Norm`` with ``num_layers``) picks the same row."""
+    rng = np.random.default_rng(3)
+    h, residual = (jnp.asarray(rng.standard_normal((6, 40)), dtype) for _ in range(2))
+    weights = jnp.asarray(1 + rng.standard_normal((3, 40)) / 4, dtype)
+    for layer in range(3):
+        alone = cpu_rms_norm(h, weights[layer], 1e-5, residual)
+        stacked = jax.jit(lambda h, r, w: cpu_rms_norm(h, w, 1e-5, r, layer=layer))(h, residual, weights)
+        for got, want in zip(stacked, alone):
+            np.testing.assert_array_equal(_f32(got), _f32(want))
+        np.testing.assert_array_equal(_f32(cpu_rms_norm(h, weights, 1e-5, layer=layer)),
+                                      _f32(cpu_rms_norm(h, weights[layer], 1e-5)))
+        xla = Norm("rmsnorm", 1e-5, dtype, num_layers=3).apply({"params": {"weight": weights}}, h, layer=layer)
+        own = Norm("rmsnorm", 1e-5, dtype).apply({"params": {"weight": weights[layer]}}, h)
+        np.testing.assert_array_equal(_f32(xla), _f32(own))
+    with pytest.raises(ValueError, match="layer 3 is not in the stacked weight"):
+        cpu_rms_norm(h, weights, 1e-5, layer=3)
+    with pytest.raises(ValueError, match=r"h\[T, d\]"):
+        cpu_rms_norm(h, weights, 1e-5)                  # a stack without a layer
+
+
+@needs_kernels
 def test_native_rms_norm_rejects_other_dtypes_and_shapes() -> None:
     h = jnp.zeros((4, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):

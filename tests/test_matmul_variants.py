@@ -50,7 +50,7 @@ def targets(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 def _call(target: str, x, packed, n: int, out_dtype, rows: int) -> np.ndarray:
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return np.asarray(call(x, jnp.asarray(packed), jnp.asarray(rows, jnp.int32)).astype(jnp.float32))
+    return np.asarray(call(x, jnp.asarray(packed), jnp.asarray(rows, jnp.int32), layer=np.int64(0)).astype(jnp.float32))
 
 
 def _problem(m: int, k: int, n: int, seed: int):

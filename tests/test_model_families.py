@@ -15,7 +15,10 @@ from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
 from models import registry
-from models.decoder import ACTIVATIONS, activate, column_sections, init_params, parallel_style
+from models.decoder import (ACTIVATIONS, DecoderForCausalLM, activate, column_sections, init_params, layer_name,
+                            pack_for_matmul_backend, parallel_style)
+from pallas_kernels import AttentionMetadata
+from pallas_kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
 from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 
@@ -203,6 +206,73 @@ def test_tensor_parallel_rules_cover_the_param_tree(name):
     assert styles[("layers_0", "o_proj", "kernel")] == "row"
     assert styles[("layers_0", "down_proj", "kernel")] == "row"
     assert styles[("layers_0", "input_layernorm", "weight")] == "replicated"
+
+
+def _noisy(params: dict) -> dict:
+    """Host params with noise added (so that biases and norms are not all 0 or 1)."""
+    return jax.tree_util.tree_map(lambda a: np.asarray(a) + np.random.default_rng(a.size).standard_normal(a.shape)
+                                  .astype(np.float32) / 8, params)
+
+
+@pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
+@pytest.mark.parametrize("name", ["opt_pre_ln", "gpt2_unscaled_untied", "qwen2"])
+def test_native_matmul_params_are_stacked_over_layers(name):
+    """For the native CPU matmul each kind of layer param is one array stacked over the layers (a
+    step's jitted call takes as many parameter arrays whatever the depth), each layer's slice being
+    what that layer's own param packs to; the model computes the same logits as with its per-layer
+    params on XLA's dot (biases, LayerNorms, untied heads included)."""
+    num_leaves = set()
+    for layers in (2, 4):
+        _, cfg = registry.config_from_hf(hf_config(name, **{_LAYERS_KEY[name]: layers}))
+        params = _noisy(init_params(cfg, np.float32))
+        packed = pack_for_matmul_backend(params, cfg, np.float32, "cpu")
+        num_leaves.add(len(jax.tree_util.tree_leaves(packed)))
+        assert not any(k.startswith("layers_") for k in packed)
+        for keys, leaf in jax.tree_util.tree_leaves_with_path(packed["layers"]):
+            path = [k.key for k in keys]
+            own = [functools.reduce(lambda node, key: node[key], path, params[layer_name(i)]) for i in range(layers)]
+            if path[-1] == "kernel":
+                own = [pack_weight(w, np.float32) for w in own]
+            np.testing.assert_array_equal(leaf, np.stack(own), err_msg=str(path))
+    assert len(num_leaves) == 1
+
+    T, bs = 5, 8     # one sequence of T tokens in block 1
+    md = AttentionMetadata(slot_mapping=np.arange(T, dtype=np.int32) + bs, block_tables=np.ones((1, 1), np.int32),
+                           seq_lens=np.array([T], np.int32), query_start_loc=np.array([0, T], np.int32),
+                           tile_row=np.zeros(0, np.int32), tile_start=np.zeros(0, np.int32),
+                           tile_len=np.zeros(0, np.int32))
+    kv = jax.numpy.zeros((cfg.num_layers, 2, 2, bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
+    logits = {}
+    for backend in ("xla", "cpu"):
+        module = DecoderForCausalLM(cfg, np.float32, "xla", matmul_backend=backend)
+        logits[backend] = np.asarray(module.apply({"params": pack_for_matmul_backend(params, cfg, np.float32, backend)},
+                                                  np.arange(3, 3 + T, dtype=np.int32), np.arange(T, dtype=np.int32),
+                                                  kv, md, np.array([T - 1], np.int32))[0])
+    np.testing.assert_allclose(logits["cpu"], logits["xla"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
+def test_a_kernel_kind_quantized_in_some_layers_only_runs_dense_in_all():
+    """Stacked kernels share one layout: o_proj, quantized in every layer, stays quantized; qkv_proj,
+    quantized in layer 0 only, is packed dense in both layers."""
+    _, cfg = registry.config_from_hf(hf_config("qwen2"))
+    params = jax.tree_util.tree_map(np.asarray, init_params(cfg, np.float32))
+    rng = np.random.default_rng(0)
+
+    def blocks(k, n):
+        return (rng.integers(0, 16, (k, n)), rng.standard_normal((k // 32, n)).astype(np.float32),
+                rng.standard_normal((k // 32, n)).astype(np.float32))
+    o_blocks = [blocks(*params[layer_name(i)]["o_proj"]["kernel"].shape) for i in range(2)]
+    for i in range(2):
+        params[layer_name(i)]["o_proj"]["kernel_blocks"] = o_blocks[i]
+    params[layer_name(0)]["qkv_proj"]["kernel_blocks"] = blocks(*params[layer_name(0)]["qkv_proj"]["kernel"].shape)
+    layers = pack_for_matmul_backend(params, cfg, np.float32, "cpu")["layers"]
+    np.testing.assert_array_equal(layers["o_proj"]["kernel"], np.stack([pack_quantized(*b) for b in o_blocks]))
+    np.testing.assert_array_equal(layers["qkv_proj"]["kernel"], np.stack(
+        [pack_weight(params[layer_name(i)]["qkv_proj"]["kernel"], np.float32) for i in range(2)]))
+
+
+_LAYERS_KEY = {"opt_pre_ln": "num_hidden_layers", "gpt2_unscaled_untied": "n_layer", "qwen2": "num_hidden_layers"}
 
 
 TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,

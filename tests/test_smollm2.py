@@ -66,8 +66,9 @@ def test_quantized_weights_give_bit_identical_results(prompts, dtype):
         llm = LLM(quantization=quantization, dtype=dtype, matmul_backend="cpu", precompile=False, max_num_seqs=4)
         kinds.append(_matrix_dtypes(llm))
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)])
-        num_quantized = sum(a.dtype == jnp.uint8 for a in tu.tree_leaves(llm.engine.runner.model.params))
-        assert num_quantized == (30 * 4 + 1 if quantization == "gguf" else 0)
+        # The layers' kernels are stacked ([30, P, bytes] each kind), the LM head is one [P, bytes].
+        quantized = [a for a in tu.tree_leaves(llm.engine.runner.model.params) if a.dtype == jnp.uint8]
+        assert sum(a.shape[0] if a.ndim == 3 else 1 for a in quantized) == (30 * 4 + 1 if quantization == "gguf" else 0)
     assert kinds == [[dtype, "uint8"], [dtype]]
     assert results[0] == results[1]
 

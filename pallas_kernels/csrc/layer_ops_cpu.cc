@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "stacked.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,6 +25,8 @@ namespace {
 
 using namespace jaxpaged::simd;  // NOLINT: the kernels are written in its 16-lane operations
 using jaxpaged::Bf16ToF32;
+using jaxpaged::LayerWeight;
+using jaxpaged::PickLayer;
 using jaxpaged::F32ToBf16;
 
 // ------------------------------------------------------------------------------------------ RMSNorm
@@ -232,13 +235,15 @@ ffi::Error RopeQkvImpl(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-// h[T, d], delta (null or like h), w[d]; sum (null, or like h: h + delta), x like h.
+// h[T, d], delta (null or like h), w[d] (or [L, d], `layer` picking one); sum (null, or like h: h + delta), x like h.
 ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer* delta, ffi::AnyBuffer w,
-                    ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer* sum, ffi::AnyBuffer x, float eps) {
+                    ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer* sum, ffi::AnyBuffer x, float eps, int64_t layer) {
   const auto hd = h.dimensions();
-  if (hd.size() != 2 || w.element_count() != static_cast<size_t>(hd[1]) ||
+  const LayerWeight weight = PickLayer(w, 1, layer);
+  if (hd.size() != 2 || !weight.ok || weight.dims[0] != hd[1] ||
       (delta != nullptr && delta->element_count() != h.element_count()))
-    return ffi::Error::InvalidArgument("rms_norm_cpu: expected h[T,d], a weight of d elements, delta like h");
+    return ffi::Error::InvalidArgument("rms_norm_cpu: expected h[T,d], a weight [d] (or [L,d] and a layer below L), "
+                                       "delta like h");
   const ffi::DataType type = h.element_type();
   if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || w.element_type() != type ||
       x.element_type() != type || (delta != nullptr && delta->element_type() != type))
@@ -250,7 +255,7 @@ ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer
     using T = decltype(zero);
     const T* hp = static_cast<const T*>(h.untyped_data());
     const T* dp = delta ? static_cast<const T*>(delta->untyped_data()) : nullptr;
-    const T* wp = static_cast<const T*>(w.untyped_data());
+    const T* wp = static_cast<const T*>(weight.data);
     T* sp = sum ? static_cast<T*>(sum->untyped_data()) : nullptr;
     T* xp = static_cast<T*>(x.untyped_data());
     ForRows(pool, rows, d, [=](int64_t r0, int64_t r1) {
@@ -263,15 +268,15 @@ ffi::Error NormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, const ffi::AnyBuffer
 }
 
 ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows,
-                       ffi::Result<ffi::AnyBuffer> x, float eps) {
-  return NormImpl(pool, h, nullptr, w, num_rows, nullptr, *x, eps);
+                       ffi::Result<ffi::AnyBuffer> x, float eps, int64_t layer) {
+  return NormImpl(pool, h, nullptr, w, num_rows, nullptr, *x, eps, layer);
 }
 
 ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer delta, ffi::AnyBuffer w,
                           ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> sum,
-                          ffi::Result<ffi::AnyBuffer> x, float eps) {
+                          ffi::Result<ffi::AnyBuffer> x, float eps, int64_t layer) {
   ffi::AnyBuffer s = *sum;
-  return NormImpl(pool, h, &delta, w, num_rows, &s, *x, eps);
+  return NormImpl(pool, h, &delta, w, num_rows, &s, *x, eps, layer);
 }
 
 // gate_up[T, 2n] (the gate's n columns, then the up projection's) -> y[T, n].
@@ -317,7 +322,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRmsNormCpu, RmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedAddRmsNormCpu, AddRmsNormImpl,
                               ffi::Ffi::Bind()
@@ -328,7 +334,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedAddRmsNormCpu, AddRmsNormImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedSiluAndMulCpu, SiluMulImpl,
                               ffi::Ffi::Bind()

@@ -60,11 +60,15 @@
 #endif
 
 #include "bf16.h"
+#include "stacked.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxpaged::LayerWeight;
+using jaxpaged::PickLayer;
 
 constexpr int64_t kNR = 32;                    // columns per weight panel
 #if defined(JAXPAGED_MATMUL_AVX2)
@@ -1121,15 +1125,16 @@ ffi::Error RunTyped(const ffi::AnyBuffer& x, ffi::AnyBuffer& out, int64_t m, F&&
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi::S32> rows,
-                      ffi::Result<ffi::AnyBuffer> out) {
+                      ffi::Result<ffi::AnyBuffer> out, int64_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = packed.dimensions();
+  const LayerWeight w = PickLayer(packed, 3, layer);
   const auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kNR)
-    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], packed[P,K,32], out[M,N]");
+  if (xd.size() != 2 || !w.ok || od.size() != 2 || w.dims[2] != kNR)
+    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], packed[P,K,32] (or [L,P,K,32] and a layer "
+                                       "below L), out[M,N]");
   if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
   const int64_t k = xd[1], n = od[1];
-  if (wd[1] != k || od[0] != xd[0] || (n + kNR - 1) / kNR != wd[0])
+  if (w.dims[1] != k || od[0] != xd[0] || (n + kNR - 1) / kNR != w.dims[0])
     return ffi::Error::InvalidArgument("matmul_cpu: x, packed weight and out shapes do not agree");
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);  // rows past it: padding
   if (x.element_type() != packed.element_type())
@@ -1137,29 +1142,31 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer pac
   if (ffi::Error e = CheckDtypes(x, *out); e.failure()) return e;
   return RunTyped(x, *out, m, [&](const auto* a, auto* c) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(a)>>;
-    return Gemm(a, static_cast<const T*>(packed.untyped_data()), c, m, k, n, pool);
+    return Gemm(a, static_cast<const T*>(w.data), c, m, k, n, pool);
   });
 }
 
 // out[M, N] = x[M, K] @ a quantized weight w[P, K * (c + 8)] (c = 16 or 32 code bytes per panel row,
 // see the top of the file); x float32 or bfloat16, out x's dtype or float32; rows past `rows` are zero.
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w,
-                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out, int64_t layer) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
+  const LayerWeight w = PickLayer(packed, 2, layer);
   const auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || od[0] != xd[0] || (od[1] + kNR - 1) / kNR != wd[0])
-    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], a quantized weight [P, bytes], out[M,N]");
+  if (xd.size() != 2 || !w.ok || od.size() != 2 || od[0] != xd[0] || (od[1] + kNR - 1) / kNR != w.dims[0])
+    return ffi::Error::InvalidArgument("matmul_cpu: expected x[M,K], a quantized weight [P, bytes] (or [L, P, bytes] "
+                                       "and a layer below L), out[M,N]");
   if (rows.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: rows must be one int32");
   if (ffi::Error e = CheckDtypes(x, *out); e.failure()) return e;
   const int64_t k = xd[1], n = od[1];
-  const int64_t code_bytes = k == 0 ? 0 : wd[1] / k - 8;
-  if (k % kQuantBlock != 0 || k == 0 || wd[1] % k != 0 || (code_bytes != kNR / 2 && code_bytes != kNR))
+  const int64_t code_bytes = k == 0 ? 0 : w.dims[1] / k - 8;
+  if (k % kQuantBlock != 0 || k == 0 || w.dims[1] % k != 0 || (code_bytes != kNR / 2 && code_bytes != kNR))
     return ffi::Error::InvalidArgument("matmul_cpu: the quantized weight's panels do not match K (a multiple of 32)");
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  const auto* codes = static_cast<const uint8_t*>(w.data);
   return RunTyped(x, *out, m, [&](const auto* a, auto* c) {
-    return code_bytes == kNR / 2 ? QuantGemm<4>(a, w.typed_data(), c, m, k, n, pool)
-                                 : QuantGemm<8>(a, w.typed_data(), c, m, k, n, pool);
+    return code_bytes == kNR / 2 ? QuantGemm<4>(a, codes, c, m, k, n, pool)
+                                 : QuantGemm<8>(a, codes, c, m, k, n, pool);
   });
 }
 
@@ -1171,7 +1178,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulCpu, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulQuantCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()
@@ -1179,7 +1187,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulQuantCpu, QuantMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer"));
 
 // Whether bfloat16 products use AMX: 1 if they do (the CPU and kernel allow it and it is enabled),
 // 0 if not; `enable` 0 or 1 switches it (benchmarks and tests compare the paths), -1 only asks.
