@@ -16,7 +16,7 @@ import functools
 import jax
 import numpy as np
 
-from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets, row_count
+from pallas_kernels.native import NATIVE_DTYPES, layer_shape, register_cpu_targets, row_count
 
 _ROPE_TARGET = "jaxpaged_rope_qkv_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
@@ -74,9 +74,7 @@ def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Arra
     static int) ``weight`` is ``[L, d]``, every layer's, and row ``layer`` is read in place (as
     ``cpu_matmul.matmul``'s stacked weights)."""
     _require_kernels()
-    w_shape = weight.shape if layer is None else weight.shape[1:]
-    if layer is not None and (weight.ndim != 2 or not 0 <= layer < weight.shape[0]):
-        raise ValueError(f"layer {layer} is not in the stacked weight of shape {weight.shape}")
+    w_shape = layer_shape(weight, layer)
     if h.ndim != 2 or w_shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
         raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {w_shape}, "
                          f"{None if residual is None else residual.shape}")

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import NATIVE_DTYPES, load_library, register_cpu_targets, row_count
+from pallas_kernels.native import NATIVE_DTYPES, layer_shape, load_library, register_cpu_targets, row_count
 
 _LIBRARY = "pallas_kernels._matmul_cpu"
 _TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
@@ -158,7 +158,7 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     if x.ndim != 2:
         raise ValueError(f"expected x[M, K], got shape {x.shape}")
     n, k = int(n), x.shape[1]
-    weight = _layer_shape(packed, layer)
+    weight = layer_shape(packed, layer)
     quantized = jnp.dtype(packed.dtype) == jnp.dtype(jnp.uint8)
     if quantized:
         if len(weight) != 2 or k == 0 or k % QUANT_BLOCK or weight[1] not in (k * 24, k * 40):
@@ -178,11 +178,3 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, packed, rows, layer=np.int64(layer or 0))
 
-
-def _layer_shape(packed: jax.Array, layer: int | None) -> tuple[int, ...]:
-    """The shape of the weight ``matmul`` multiplies by: ``packed``'s, or with ``layer`` one stacked layer's."""
-    if layer is None:
-        return tuple(packed.shape)
-    if packed.ndim < 1 or not 0 <= layer < packed.shape[0]:
-        raise ValueError(f"layer {layer} is not in the stacked weight of shape {packed.shape}")
-    return tuple(packed.shape[1:])

@@ -40,3 +40,14 @@ def row_count(num_rows, num_tokens: int) -> jax.Array:
     if rows.shape != ():
         raise ValueError(f"num_rows must be a scalar, got shape {rows.shape}")
     return rows
+
+
+def layer_shape(weight: jax.Array, layer: int | None) -> tuple[int, ...]:
+    """The shape of the weight a native kernel applies: ``weight``'s own, or with ``layer`` (a static
+    int) that of layer ``layer`` of a weight stacked over the layers (``[L, ...]``), which the kernel
+    reads in place; ``ValueError`` if the stack has no such layer."""
+    if layer is None:
+        return tuple(weight.shape)
+    if weight.ndim < 1 or not 0 <= layer < weight.shape[0]:
+        raise ValueError(f"layer {layer} is not in the stacked weight of shape {weight.shape}")
+    return tuple(weight.shape[1:])
