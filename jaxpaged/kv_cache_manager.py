@@ -459,7 +459,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (device ones last block first, and any swapped-out
-        host ones) and clear its block table."""
+        host ones) and clear its block table. Its block hashes are kept: a preempted request that
+        resumes looks its prefix up without hashing its tokens again."""
         self.pool.free(reversed(request.block_ids))
         request.block_ids.clear()
         self._mark_changed(request)
@@ -467,8 +468,7 @@ class KVCacheManager:
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
-        request.block_hashes = []
-        request.num_published_blocks = 0
+        request.num_published_blocks = 0        # its block hashes stay: they depend on its tokens only
 
     def _parent_key(self, request: Request, block_ids: list[int], i: int) -> ParentKey:
         return root_hash(request.cache_salt) if i == 0 else self.pool.parent_key(block_ids[i - 1])

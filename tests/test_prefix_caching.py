@@ -49,6 +49,27 @@ def test_block_aligned_full_hit_still_computes_the_last_block():
     assert b.block_ids[:3] == a.block_ids[:3]
 
 
+def test_a_preempted_request_resumes_on_its_cached_blocks_without_hashing_again():
+    """Recomputation frees a request's blocks (they stay cached) but not its block hashes, which
+    depend on its tokens only: resuming, it hits all its full blocks, publishes them again, and
+    hashes no block a second time."""
+    calls = []
+
+    def counting_hash(parent, tokens):
+        calls.append(tuple(tokens))
+        return hash_block(parent, tokens)
+    kv = KVCacheManager(32, BS, enable_caching=True, hash_fn=counting_hash)
+    a = make("a", range(100, 133))                   # 4 full blocks and one token
+    compute(kv, a)
+    blocks, hashed = list(a.block_ids[:4]), len(calls)
+    assert hashed == 4
+    kv.free(a)
+    a.num_computed_tokens = 0
+    assert compute(kv, a) == 32
+    assert a.block_ids[:4] == blocks and len(calls) == hashed
+    assert a.num_published_blocks == 4
+
+
 @pytest.mark.parametrize("filler_blocks, expected_hit", [(0, 24), (7, 8), (8, 0)])
 def test_freed_blocks_stay_cached_until_evicted_lru(filler_blocks, expected_hit):
     """A's 4 blocks are freed last-first, so eviction takes its tail before its first block."""
