@@ -46,6 +46,11 @@ constexpr int kMinSplitKeys = 64;  // smallest key range worth a work item of it
 // Estimated cycles (see WorkItem::cost) below which a call runs on the caller's thread alone:
 // waking a pool thread costs ~5-30 us here, more than it saves on smaller calls.
 constexpr double kParallelCost = 150e3;
+// Estimated cycles per byte of K/V a decode row reads. Its pages come from memory, not cache (a model
+// step streams every layer's weights and pages in between): one row of 450 keys (SmolLM2, float32,
+// 690 KB) took ~100 us on one thread in a decode step, ~7 GB/s = ~0.5 cycles a byte at 3.5 GHz.
+// Priced as cache reads (~0.125), such a row ran alone although it takes several thread wake-ups.
+constexpr double kCyclesPerKvByte = 0.5;
 
 // Fully unrolled small loops let GCC keep arrays of accumulators in registers (without it,
 // they are stored to the stack on every iteration).
@@ -72,6 +77,7 @@ inline void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
 
 struct Problem {
   int64_t hq, hkv, g, d, dpad, block_size, width, tile_tokens;
+  int64_t kv_bytes;  // bytes per element of the pages
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* qsl;
@@ -515,7 +521,7 @@ Plan MakePlan(const Problem& p, int64_t rows, int64_t workers) {
       const int32_t k0 = static_cast<int32_t>(std::min(k1, p.FirstKey(p.Position(r, t0))));
       const int64_t nkeys = k1 - k0;
       if (t1 - t0 == 1) {  // a decode row: per key and kv head, scores and P @ V for G queries and its K/V bytes
-        const double per_key = p.hkv * (2 * p.g * p.dpad / kLanes + p.d);
+        const double per_key = p.hkv * (2 * p.g * p.dpad / kLanes + 2 * p.d * p.kv_bytes * kCyclesPerKvByte);
         const WorkItem w{static_cast<int32_t>(r), t0, t1, 0, static_cast<int32_t>(p.hkv), k0,
                          static_cast<int32_t>(k1), -1, nkeys * per_key + 1000.};
         decode.push_back(w);
@@ -614,6 +620,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t num_blocks = kd[2];
   p.block_size = kd[3];
   p.hkv = kd[4];
+  p.kv_bytes = ffi::ByteWidth(kv_pages.element_type());
   p.width = block_tables.dimensions()[1];
   const int64_t layer_index = layer.typed_data()[0];
   p.block_tables = block_tables.typed_data();
