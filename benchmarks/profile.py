@@ -8,6 +8,12 @@ RoPE, SiLU, residual adds, embedding gather: with the native CPU kernels, the no
 native kernels of their own), the sampler's. The device's busy time is the union of
 the programs' executions; the rest of the wall time is host work the device waited for.
 
+Then the same workload runs once more with synchronous steps (each step launched, waited for and
+taken in before the next is scheduled), timing every step; the steps are grouped by how many tokens
+they compute (a power of two at least that count): where a workload's time goes by step size, e.g.
+the few-token steps at the end of a lognormal workload, bound by reading the weights. Prefix
+caching is off, as in ``benchmarks.throughput``: each run computes every prompt.
+
 ``python -m benchmarks.profile --n 64 [--dtype bfloat16]``
 """
 
@@ -18,6 +24,7 @@ import collections
 import gzip
 import json
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     reqs = synthetic(args.n, args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts, params, use_tqdm=False)  # every program compiled and loaded
@@ -135,8 +142,52 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.n} requests, {args.dtype}: {launches} steps, {len(batches)} step shapes; trace (Perfetto, "
           f"TensorBoard): {trace_dir}")
     print_table(["kind of work", "ms", "% of wall"], rows, widths=[64, 8, 10])
+
+    by_size, sync_ms, sync_tokens = steps_by_size(llm, prompts, params)
+    print(f"synchronous steps by size: generate() took {sync_ms:.0f} ms")
+    print_table(["tokens per step, at most", "steps", "ms", "median ms", "% of wall"],
+                [(size, len(ms), f"{sum(ms):.0f}", f"{statistics.median(ms):.2f}", f"{100 * sum(ms) / sync_ms:.1f}")
+                 for size, ms in by_size.items()], widths=[26, 8, 10, 12, 10])
     return write_json(f"profile_{args.dtype}", {"args": vars(args), "by_kind_ms": by_kind, "device_busy_ms": busy_ms,
-                                                "wall_ms": wall_ms, "steps": launches, "trace_dir": str(trace_dir)})
+                                                "wall_ms": wall_ms, "steps": launches, "trace_dir": str(trace_dir),
+                                                "sync_wall_ms": sync_ms, "sync_step_ms_by_size": by_size,
+                                                "sync_tokens": sync_tokens})
+
+
+def steps_by_size(llm, prompts, params) -> tuple[dict[int, list[float]], float, int]:
+    """``generate()`` with synchronous steps, each step's wall time (ms, from its launch until its
+    samples are on the host) grouped by the smallest power of two >= its token count; the call's
+    wall time (ms) and the tokens its steps computed."""
+    engine, runner = llm.engine, llm.engine.runner
+    launch, collect, was_async = runner.launch, runner.collect, engine.async_scheduling
+    started: dict[int, tuple[float, int]] = {}     # launched step's id -> (launch time, tokens)
+    by_size: dict[int, list[float]] = collections.defaultdict(list)
+    tokens_computed = 0
+
+    def timed_launch(out):
+        t0 = time.perf_counter()
+        step = launch(out)
+        if step is not None:                        # None: nothing ran
+            started[id(step)] = (t0, out.total_num_tokens)
+        return step
+
+    def timed_collect(step):
+        nonlocal tokens_computed
+        result = collect(step)
+        if id(step) in started:                     # not a step left in flight by an earlier run
+            t0, tokens = started.pop(id(step))
+            tokens_computed += tokens
+            by_size[1 << (tokens - 1).bit_length()].append((time.perf_counter() - t0) * 1e3)
+        return result
+
+    engine.async_scheduling, runner.launch, runner.collect = False, timed_launch, timed_collect
+    try:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall_ms = (time.perf_counter() - t) * 1e3
+    finally:
+        engine.async_scheduling, runner.launch, runner.collect = was_async, launch, collect
+    return dict(sorted(by_size.items())), wall_ms, tokens_computed
 
 
 if __name__ == "__main__":

@@ -234,6 +234,12 @@ def test_profile_runs_end_to_end_and_finds_the_programs_it_ran(tmp_path, monkeyp
     assert result["steps"] > 0
     assert by_kind.get("attention (native)", 0) > 0 and by_kind.get("sampler", 0) > 0, by_kind
     assert 0 < result["device_busy_ms"] <= result["wall_ms"]
+    # The synchronous run's steps, by size: with prefix caching off, each request computes its prompt
+    # and every output token but its last (sampled, never fed back), each in exactly one step.
+    by_size = {int(size): ms for size, ms in result["sync_step_ms_by_size"].items()}
+    assert result["sync_tokens"] == sum(len(r.prompt_token_ids) + r.output_len - 1 for r in synthetic(2, 0))
+    assert all(size & (size - 1) == 0 and ms and min(ms) > 0 for size, ms in by_size.items()), by_size
+    assert sum(sum(ms) for ms in by_size.values()) <= result["sync_wall_ms"]
 
 
 @pytest.mark.parametrize("vectorized", [True, False])
