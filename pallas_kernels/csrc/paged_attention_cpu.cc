@@ -49,7 +49,7 @@ constexpr double kParallelCost = 150e3;
 // Estimated cycles per byte of K/V a decode row reads. Its pages come from memory, not cache (a model
 // step streams every layer's weights and pages in between): one row of 450 keys (SmolLM2, float32,
 // 690 KB) took ~100 us on one thread in a decode step, ~7 GB/s = ~0.5 cycles a byte at 3.5 GHz.
-// Priced as cache reads (~0.125), such a row ran alone although it takes several thread wake-ups.
+// Priced as cache reads (~0.125), such a row ran on one thread for the time of several thread wake-ups.
 constexpr double kCyclesPerKvByte = 0.5;
 
 // Fully unrolled small loops let GCC keep arrays of accumulators in registers (without it,
