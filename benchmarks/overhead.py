@@ -28,6 +28,10 @@ groups timed above (per decode step): the pure-Python part, free of the noise th
 running on the same two cores adds to the other phases; and the same with the host's caches cold
 (``EVICT_BYTES`` read and written between its steps, as a device step evicts them): what the
 scheduler costs in the engine, where every object a step touches per request is a cache miss.
+"dispatch alone" launches a trivial jitted program with the caches warm, with them cold
+(``EVICT_BYTES`` touched first), and a second program right after a cold one (as a step launches its
+sampler after its forward): JAX's own cost per launch, a floor under every step's dispatch phase
+that no change to the engine removes.
 The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
 SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
@@ -52,8 +56,9 @@ from jaxpaged.config import EngineArgs
 
 PHASES = ("schedule", "prepare", "dispatch", "output", "wait")
 TARGET_MS = 0.5
-EVICT_BYTES = 16 << 20
-"""Touched between the cold scheduler-alone steps: twice the development machines' last-level cache (8 MiB)."""
+EVICT_BYTES = 64 << 20
+"""Touched before the cold timings: twice the largest last-level cache of the machines measured on (32 MiB,
+the Zen 3 EPYC; a step of SmolLM2 streams ~90 MB of weights and KV)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,35 @@ def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: 
     return seconds
 
 
+def dispatch_alone(calls: int, evict_bytes: int = EVICT_BYTES) -> dict[str, float]:
+    """Median seconds of launching (not waiting for) a trivial jitted program: "warm" right after the
+    same launch, "cold" after ``evict_bytes`` were read and written, "second" for another program
+    launched right after a cold one."""
+    import jax
+    import jax.numpy as jnp
+
+    first, second = jax.jit(lambda x, p: jnp.sin(x) + p[0]), jax.jit(lambda x, p: jnp.cos(x) + p[1])
+    x, p = jnp.zeros(1024), np.zeros(8, np.float32)
+    jax.block_until_ready((first(x, p), second(x, p)))     # compiled
+    evict = np.ones(evict_bytes // 8)
+    times: dict[str, list[float]] = {"warm": [], "cold": [], "second": []}
+    for _ in range(calls):
+        jax.block_until_ready(first(x, p))
+        t = time.perf_counter()
+        a = first(x, p)
+        times["warm"].append(time.perf_counter() - t)
+        jax.block_until_ready(a)
+        evict += 1.0
+        t0 = time.perf_counter()
+        a = first(x, p)
+        t1 = time.perf_counter()
+        b = second(x, p)
+        times["second"].append(time.perf_counter() - t1)
+        times["cold"].append(t1 - t0)
+        jax.block_until_ready((a, b))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def summarize(timings: list[StepTiming], device_only: list[float]) -> dict[str, float]:
     """Median milliseconds per decode step of each phase, of the host total, of the whole step, of the
     same batch on the device alone, and the exposed host overhead (step - device only). An engine step
@@ -346,10 +380,15 @@ def main(argv: list[str] | None = None) -> dict:
           "MiB touched between steps, as a device step does): "
           + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f} / {alone[n, k, True]:.3f}"
                       for (n, k, cold), ms in alone.items() if not cold))
+    dispatch = dispatch_alone(10 * args.steps)
+    print(f"dispatch alone (no engine, no device step), median ms to launch a trivial jitted program: caches warm "
+          f"{1e3 * dispatch['warm']:.3f}, cold {1e3 * dispatch['cold']:.3f} ({EVICT_BYTES >> 20} MiB touched first), "
+          f"a second program right after a cold one {1e3 * dispatch['second']:.3f}")
     plot(rows)
     result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows,
               "scheduler_alone_ms": {f"{n}{'' if k == 1 else f' x{k}'}{' cold' if cold else ''}": ms
-                                     for (n, k, cold), ms in alone.items()}}
+                                     for (n, k, cold), ms in alone.items()},
+              "dispatch_alone_ms": {k: 1e3 * v for k, v in dispatch.items()}}
     write_json("overhead", result)
     return result
 
