@@ -87,6 +87,33 @@ def test_scheduler_alone_times_pure_decode_steps(k, evict_bytes):
     assert len(seconds) == 5 and min(seconds) > 0
 
 
+def test_dispatch_alone_times_only_the_launches_it_names(monkeypatch):
+    """On a fake clock where launching the first program takes 10, the second 100 and waiting for
+    results 1000: "warm" and "cold" are the first program's launch alone, "second" the other's, and no
+    wait is counted in any of them."""
+    import jax
+
+    clock = [0.0]
+    costs = iter([10.0, 100.0])
+
+    def fake_jit(fn):
+        cost = next(costs)
+
+        def launch(*args):
+            clock[0] += cost
+            return fn(*args)
+        return launch
+
+    def wait(x):
+        clock[0] += 1000.0
+        return x
+
+    monkeypatch.setattr(jax, "jit", fake_jit)
+    monkeypatch.setattr(jax, "block_until_ready", wait)
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
+    assert overhead.dispatch_alone(calls=3, evict_bytes=1 << 10) == {"warm": 10.0, "cold": 10.0, "second": 100.0}
+
+
 def test_scheduler_alone_rejects_a_step_that_is_not_pure_decode(monkeypatch):
     """The check behind the figure can fail: a scheduler that computes two tokens for a request is caught."""
     from jaxpaged.scheduler import Scheduler
