@@ -123,6 +123,24 @@ def test_num_rows_computes_leading_rows_and_zeros_the_rest(dtype, out_dtype):
     assert step._cache_size() == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_row_is_the_same_alone_and_anywhere_in_a_batch(dtype):
+    """Each output is one sum over k in order whatever the rows around it: a row computed alone
+    equals it inside a batch at any place (every row-group size and position, several row blocks,
+    the rows as the kernels lay them out), to the last bit; so batching cannot change a token."""
+    m, k, n = 300, 577, 70
+    x, w = _data(m, k, n, seed=3)
+    packed = jnp.asarray(pack_weight(w, dtype))
+    xs = jnp.asarray(x, dtype)
+    try:
+        use_amx(False)  # AMX tiles sum in their own order, for row counts the vector kernels would not take
+        full = np.asarray(matmul(xs, packed, n), np.float64)
+        for lo, hi in ((0, 1), (5, 6), (299, 300), (7, 12), (40, 53), (100, 300)):
+            np.testing.assert_array_equal(np.asarray(matmul(xs[lo:hi], packed, n), np.float64), full[lo:hi])
+    finally:
+        use_amx(True)
+
+
 def test_large_values_and_zero_rows():
     """Rows of zeros give zeros; values near float32's range do not overflow in the packing."""
     x, w = _data(20, 33, 45)
