@@ -128,7 +128,7 @@ def test_a_row_is_the_same_alone_and_anywhere_in_a_batch(dtype):
     """Each output is one sum over k in order whatever the rows around it: a row computed alone
     equals it inside a batch at any place (every row-group size and position, several row blocks,
     the rows as the kernels lay them out), to the last bit; so batching cannot change a token."""
-    m, k, n = 300, 577, 70
+    m, k, n = 300, 1537, 70  # several row blocks whether they hold 448 KiB or 1.5 MiB of x
     x, w = _data(m, k, n, seed=3)
     packed = jnp.asarray(pack_weight(w, dtype))
     xs = jnp.asarray(x, dtype)
