@@ -12,7 +12,7 @@
 //   over queries (S^T[key][query], one broadcast key element per FMA, no horizontal sums) and
 //   the softmax statistics are per-lane vectors. P @ V accumulates into register tiles.
 // - Decode (one query token): all kv heads of a range of keys, so each page is streamed as one
-//   contiguous block (the next one prefetched). Each query scores 16 keys at once: per-key
+//   contiguous block (the next one prefetched meanwhile). Each query scores 16 keys at once: per-key
 //   product vectors are summed in a transpose-add tree. With few rows, long rows are split into
 //   key ranges whose softmax states are merged at the end (flash-decoding), so one row can
 //   still use every thread.
@@ -412,26 +412,40 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
     std::copy(knext, knext + kDecodeKeys, krows);
     std::copy(vnext, vnext + kDecodeKeys, vrows);
     if (nn > 0) KeyRows<kDecodeKeys>(p, table, k_layer, v_layer, c + kDecodeKeys, nn, knext, vnext);
-    // The next chunk is usually another page: fetch it into L2 meanwhile, one head's part of K
-    // or V at a time (issued all at once, the prefetches stall the loop).
-    auto prefetch_next = [&](const T* const* rows, int64_t h) {
-      for (int64_t i = 0; i < nn; ++i)
-        for (int64_t b = 0; b < static_cast<int64_t>(d * sizeof(T)); b += 64)
-          Prefetch(reinterpret_cast<const char*>(rows[i] + h * d) + b);
+    // The next chunk is usually another page: fetch its K and V rows into L2 meanwhile, a few lines
+    // before each score row and each head's P @ V, so that the misses overlap this chunk's arithmetic
+    // (in bursts of a head's part, or all at once, the prefetches fill the miss queue and stall the
+    // loop: 32 rows x 256 keys from memory on one thread, 1.4x faster spread).
+    const char* next_rows[2 * kDecodeKeys];  // K rows, then V rows, from kv head h0
+    for (int64_t i = 0; i < nn; ++i) {
+      next_rows[i] = reinterpret_cast<const char*>(knext[i] + w.h0 * d);
+      next_rows[nn + i] = reinterpret_cast<const char*>(vnext[i] + w.h0 * d);
+    }
+    const int64_t row_lines = ((w.h1 - w.h0) * d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t lines_per_point = (2 * nn * row_lines + rows + w.h1 - w.h0 - 1) / (rows + w.h1 - w.h0);
+    int64_t next_row = 0, next_line = 0;
+    auto prefetch_next = [&] {
+      for (int64_t n = 0; n < lines_per_point && next_row < 2 * nn; ++n) {
+        Prefetch(next_rows[next_row] + 64 * next_line);
+        if (++next_line == row_lines) next_line = 0, ++next_row;
+      }
     };
     for (int64_t h = w.h0; h < w.h1; ++h) {
-      prefetch_next(knext, h);
       if constexpr (bf16_dot) {
 #if JAXPAGED_BF16_DOT
         const T* kh[kDecodeKeys];  // keys past nk repeat the first (their scores are masked below)
         for (int64_t i = 0; i < kDecodeKeys; ++i) kh[i] = krows[i < nk ? i : 0] + h * d;
-        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
+        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i) {
+          prefetch_next();
           Store(s + i * kDecodeKeys, Mul(Scores16(p, q_rows + i * d, kh), Set1(p.scale)));
+        }
 #endif
       } else {
         HeadRows<kDecodeKeys>(p, krows, nk, h * d, kbuf, kr);
-        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i)
+        for (int64_t i = (h - w.h0) * g; i < (h - w.h0 + 1) * g; ++i) {
+          prefetch_next();
           Store(s + i * kDecodeKeys, Scores16(p, qs + i * dpad, kr));
+        }
       }
     }
     // Online softmax of every row at once: independent chains of horizontal reductions overlap,
@@ -455,7 +469,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
     }
     for (int64_t h = w.h0; h < w.h1; ++h) {
       const int64_t i0 = (h - w.h0) * g;
-      prefetch_next(vnext, h);
+      prefetch_next();
       HeadRows<kDecodeKeys>(p, vrows, nk, h * d, vbuf, vr);
       AccumulatePv(p, s + i0 * kDecodeKeys, 1, kDecodeKeys, alpha + i0, vr, nk, o + i0 * dpad, g);
     }
