@@ -45,13 +45,14 @@ constexpr int kTileRows = 48;      // query rows per prefill tile: 3 vectors, th
 constexpr int kMinSplitKeys = 64;  // smallest key range worth a work item of its own
 // A prefill tile's register tiles: S^T in keys x query vectors, P @ V in up to 6 rows x vectors of
 // the head dimension. AVX2 has 16 vector registers, two per 16-lane Vec, where 8 x 3 and 6 x 4
-// tiles spill: 4 x 1 and 6 x 1 there (Zen 3, a 512-token chunk: 1.25-1.6x faster; decode rows keep
-// 6 x 4, measured no slower).
+// tiles spill: 4 x 1 and 6 x 1 there (Zen 3, a 512-token chunk: 1.25-1.6x faster). A decode row's
+// P @ V keeps 6 x 4 everywhere (on AVX2 6 x 1 was 12% slower on cached pages, no faster from memory).
 #if JAXPAGED_AVX2
 constexpr int kScoreKeys = 4, kScoreQueryVecs = 1, kTilePvVecs = 1;
 #else
 constexpr int kScoreKeys = 8, kScoreQueryVecs = 3, kTilePvVecs = 4;
 #endif
+constexpr int kDecodePvVecs = 4;
 // Estimated cycles (see WorkItem::cost) below which a call runs on the caller's thread alone:
 // waking a pool thread costs ~5-30 us here, more than it saves on smaller calls.
 constexpr double kParallelCost = 150e3;
@@ -481,7 +482,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const T* q, const T* k_laye
       const int64_t i0 = (h - w.h0) * g;
       prefetch_next();
       HeadRows<kDecodeKeys>(p, vrows, nk, h * d, vbuf, vr);
-      AccumulatePv(p, s + i0 * kDecodeKeys, 1, kDecodeKeys, alpha + i0, vr, nk, o + i0 * dpad, g, 4);
+      AccumulatePv(p, s + i0 * kDecodeKeys, 1, kDecodeKeys, alpha + i0, vr, nk, o + i0 * dpad, g, kDecodePvVecs);
     }
   }
   if (w.part >= 0) {
