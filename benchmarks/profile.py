@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space, as benchmarks.throughput's")
     ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     reqs = synthetic(args.n, args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts, params, use_tqdm=False)  # every program compiled and loaded
