@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     reqs = synthetic(args.n, args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512, kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
+              kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts, params, use_tqdm=False)  # every program compiled and loaded

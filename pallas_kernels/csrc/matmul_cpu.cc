@@ -575,8 +575,8 @@ void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const 
 
 // One row of 4-bit weights: all 32 columns in one pass over K, four sums in flight where a half had
 // two, whose chains of fused multiply-adds waited on the FMA latency (SmolLM2's 4-bit shapes, weights
-// from memory, Zen 3: 1.01-1.14x). The block's offsets are read with the codes: held in registers too,
-// they and the accumulators spilled (a generic kernel over 1 or 2 halves did: 0.8-0.9x).
+// from memory, Zen 3: 1.01-1.17x). The block's offsets are loaded at every row: held in registers as
+// well, they and the accumulators spilled (a generic kernel over 1 or 2 halves did: 0.8-0.9x).
 template <int kBits>
 void OneRowQuantF32(const float* a, const uint8_t* codes, const float* qparams, int64_t k, float* c, int64_t cols) {
   __m256 lo[1][2], hi[1][2];
