@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import print_table, write_json
+from benchmarks.throughput import add_engine_arguments, workload_engine_args
 from benchmarks.workload import synthetic
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
@@ -81,13 +82,10 @@ def summarise(trace: dict, kinds: dict[str, str]) -> tuple[dict[str, float], int
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    add_engine_arguments(ap)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space, as benchmarks.throughput's")
     ap.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -97,9 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxpaged.model_runner import sample_fn
 
     reqs = synthetic(args.n, args.seed)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
-              kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=False)
+    llm = LLM(**workload_engine_args(args, args.dtype, enable_prefix_caching=False))
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
     llm.generate(prompts, params, use_tqdm=False)  # every program compiled and loaded

@@ -143,15 +143,28 @@ def float32_ceiling(reqs: list[WorkloadRequest], model_config) -> dict:
             "output_tok_per_s": sum(r.output_len for r in reqs) / seconds}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The engine options of the workload's runs; ``benchmarks.profile`` takes the same ones, so it
+    profiles the engine this benchmark times."""
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; jaxpaged and vLLM run each")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of each system")
+
+
+def workload_engine_args(args: argparse.Namespace, dtype: str, **more) -> dict:
+    """``LLM`` arguments of a run from ``add_engine_arguments``' options (and ``more``)."""
+    return dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
+                kv_cache_memory=args.kv_cache_gib << 30, **more)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(ap)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; jaxpaged and vLLM run each")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (both systems)")
     ap.add_argument("--quantization", default="auto,gguf,none",
                     help="jaxpaged's EngineArgs.quantization values to run (comma-separated): auto keeps a GGUF's "
@@ -174,11 +187,9 @@ def main() -> None:
     rows, runs = [], []
     quantizations = args.quantization.split(",")
     for dtype, quantization in distinct_engines(dtypes, quantizations):
-        engine_args = dict(model=args.model, dtype=dtype, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
-                           kv_cache_memory=args.kv_cache_gib << 30, enable_prefix_caching=args.prefix_caching,
-                           quantization=quantization, num_scheduler_steps=args.num_scheduler_steps)
-        res = {**run_jaxpaged(reqs, engine_args, args.rounds), "dtype": dtype}
+        run = workload_engine_args(args, dtype, enable_prefix_caching=args.prefix_caching, quantization=quantization,
+                                   num_scheduler_steps=args.num_scheduler_steps)
+        res = {**run_jaxpaged(reqs, run, args.rounds), "dtype": dtype}
         print(f"{res['system']}: load {res['load_s']:.1f} s (of which precompile {res['warmup_s']:.1f} s), "
               f"{res['compiled_programs']} compiled step programs, {res['preemptions']} preemptions, "
               f"rounds {', '.join(f'{s:.1f}' for s in res['seconds'])} s")

@@ -269,6 +269,32 @@ def test_profile_runs_end_to_end_and_finds_the_programs_it_ran(tmp_path, monkeyp
     assert sum(sum(ms) for ms in by_size.values()) <= result["sync_wall_ms"]
 
 
+def test_profile_runs_the_engine_the_throughput_benchmark_times(monkeypatch):
+    """The profiled engine is the timed one (KV space, batch limits, max_model_len): the profile once
+    kept the engine's 256 MiB default KV cache and so profiled a different schedule."""
+    import argparse
+
+    import jaxpaged
+
+    class Built(Exception):
+        pass
+
+    built = {}
+
+    def llm(**kwargs):
+        built.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(jaxpaged, "LLM", llm)
+    with pytest.raises(Built):
+        profile.main(["--n", "1", "--kv-cache-gib", "2"])
+    ap = argparse.ArgumentParser()
+    throughput.add_engine_arguments(ap)
+    timed = throughput.workload_engine_args(ap.parse_args(["--kv-cache-gib", "2"]), "float32",
+                                            enable_prefix_caching=False)
+    assert built == timed and built["kv_cache_memory"] == 2 << 30
+
+
 @pytest.mark.parametrize("vectorized", [True, False])
 def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monkeypatch):
     """float32 "auto" and "gguf" are the same engine where the native matmul is built for vectors
