@@ -101,10 +101,10 @@ constexpr int64_t kQuantBlock = 32;            // k rows sharing one (scale, off
 constexpr int kQuantMR = 8;                    // most rows per quantized micro-kernel call,
 constexpr int64_t kQuantDirectRows = 16;       // and most rows a unit rebuilds weights in registers for:
 constexpr int64_t kQuantDirectRowsBf16 = 4;    // more rows make the bfloat16 rebuild the bottleneck
-#elif defined(JAXPAGED_MATMUL_AVX2)              // (1 row 1.6x, 2 rows 1.2x faster than a rebuilt panel,
-constexpr int kQuantMR = 2;                    // 4 rows 0.9x; bfloat16 pairs would take AVX2 too many
-constexpr int64_t kQuantDirectRows = 2;        // registers)
-constexpr int64_t kQuantDirectRowsBf16 = 0;
+#elif defined(JAXPAGED_MATMUL_AVX2)              // (against walking K block by block, QuantBlocksF32: 2 rows
+constexpr int kQuantMR = 4;                    // 1.08-1.2x, 3 rows 1.06-1.25x, 4 rows 1.0-1.1x, 5-6 rows as
+constexpr int64_t kQuantDirectRows = 4;        // two groups 0.8-0.87x; bfloat16 pairs would take AVX2 too
+constexpr int64_t kQuantDirectRowsBf16 = 0;    // many registers)
 constexpr int64_t kQuantBlockRows = 16;        // most rows of a float32 unit that walks K block by block
 #endif
 
@@ -1184,7 +1184,7 @@ bool Gemm(const T* x, const T* w, O* out, int64_t m, int64_t k, int64_t n, Pool&
 // rebuilt one block of 32 k at a time into L1 (4 KiB), each row group's sums carried across the
 // blocks in a tile, instead of the whole panel rebuilt into L2 and read back by every row group: the
 // rebuild's stores stay in L1 and the short blocks let the two halves' latency-bound chains overlap
-// (SmolLM2's 4-bit shapes, weights from memory, two threads, Zen 3: 3-8 rows 1.15-1.4x, 16 rows
+// (SmolLM2's 4-bit shapes, weights from memory, two threads, Zen 3: 5-8 rows 1.15-1.25x, 16 rows
 // 1.05-1.1x, 32 rows no faster). The same products, summed in the same order as the dense kernel's.
 template <int kBits>
 void QuantBlocksF32(const float* x, int64_t rows, const uint8_t* codes, const float* qparams, int64_t k, float* c,
