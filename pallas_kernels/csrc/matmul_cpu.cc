@@ -30,7 +30,8 @@
 // byte per column), then per block of 32 rows the 32 columns' scales and the 32 offsets (floats).
 // Each weight is rebuilt exactly (code * scale is exact in float32 for codes below 2^8 and float16
 // scales, so the fused multiply-add rounds once, like code * scale + offset), in registers for a
-// unit of few rows, into a cached dense panel for more; the sums run in the dense kernel's order,
+// unit of few rows, on AVX2 one block of 32 k at a time into L1 for a few more (QuantBlocksF32), into
+// a cached dense panel for more; the sums run in the dense kernel's order,
 // so the result is bit-identical to the dense product with the dequantized weight: in float32, or
 // for bfloat16 x with the dequantized weight rounded to bfloat16 (as pack_weight rounds it).
 
@@ -1205,10 +1206,10 @@ void QuantBlocksF32(const float* x, int64_t rows, const uint8_t* codes, const fl
 
 // out[m, n] = x[m, k] @ a quantized weight w[P, panel bytes], x float32 or bfloat16 (T), out T or
 // float32 (O). Units as the dense Gemm's (row block, panel); a unit of few rows (kQuantDirectRows,
-// AVX-512 and AVX2) rebuilds the weights in registers as it goes (the codes are all it reads), any
+// AVX-512 and AVX2) rebuilds the weights in registers as it goes (the codes are all it reads), an
+// AVX2 float32 unit of up to kQuantBlockRows rows one block of k at a time (QuantBlocksF32), any
 // other unit rebuilds its panel once into the dense layout in cache (thread-local) and runs the
-// dense kernels on it. Either way each
-// output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
+// dense kernels on it. Either way each output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
 // pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
 // Gemm's do. False if the problem is too large.
 template <int kBits, typename T, typename O, typename Pool>
