@@ -219,7 +219,8 @@ def _affine(k, n, bits, seed=0):
     return codes, scale, offset, w
 
 
-# M = 1, the 8-row groups of the in-register path and its 16-row limit, the in-cache rebuild, several row blocks.
+# M = 1, the 8-row groups of the in-register path and its 16-row limit (AVX-512; AVX2: 2-4 rows in registers, 5-16
+# block by block), the in-cache rebuild, several row blocks.
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 40, 300])
 @pytest.mark.parametrize("bits,k,n", [(4, 576, 960), (8, 64, 49), (4, 1536, 200), (8, 576, 33)])
 def test_quantized_weight_is_bit_identical_to_its_dense_float32_weight(m, bits, k, n):
