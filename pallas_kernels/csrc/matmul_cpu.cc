@@ -441,7 +441,7 @@ inline void StoreHalf(__m256 (&acc)[R][2], O* c, int64_t ldc, int64_t cols) {
 
 // Columns 16h .. 16h + 15 of a float32 panel (out float32, or bfloat16 for widened bfloat16 units).
 // The R rows of x come interleaved (see InterleavedRows): x[r, i] at a[i * R + r]. With kCarry the
-// sums go on from those in c, an R x 32 float32 tile (ldc = kNR), and are stored back whole there
+// sums go on from those in c (R rows of 32 floats, 32-byte aligned) and are stored back whole there
 // (a unit walking K one block at a time, QuantBlocksF32).
 template <int R, int kPf, int kHalf, typename O, bool kCarry = false>
 void HalfF32(const float* a, const float* b, int64_t k, O* c, int64_t ldc, int64_t cols, const char* ahead,
@@ -449,8 +449,8 @@ void HalfF32(const float* a, const float* b, int64_t k, O* c, int64_t ldc, int64
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     if constexpr (kCarry) {
-      acc[r][0] = _mm256_load_ps(c + r * kNR + 16 * kHalf);
-      acc[r][1] = _mm256_load_ps(c + r * kNR + 16 * kHalf + 8);
+      acc[r][0] = _mm256_load_ps(c + r * ldc + 16 * kHalf);
+      acc[r][1] = _mm256_load_ps(c + r * ldc + 16 * kHalf + 8);
     } else {
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
@@ -470,8 +470,8 @@ void HalfF32(const float* a, const float* b, int64_t k, O* c, int64_t ldc, int64
   if constexpr (kCarry) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(c + r * kNR + 16 * kHalf, acc[r][0]);
-      _mm256_store_ps(c + r * kNR + 16 * kHalf + 8, acc[r][1]);
+      _mm256_store_ps(c + r * ldc + 16 * kHalf, acc[r][0]);
+      _mm256_store_ps(c + r * ldc + 16 * kHalf + 8, acc[r][1]);
     }
   } else {
     StoreHalf<R>(acc, c + 16 * kHalf, ldc, cols - 16 * kHalf);
@@ -612,34 +612,35 @@ template <int R, int kBits, typename O>
 void MicroQuantBf16(const uint16_t* a, int64_t lda, const uint8_t* codes, const float* qparams, int64_t k, O* c,
                     int64_t ldc, int64_t cols);
 
+// Quantized panel row i, columns 16h .. 16h + 15, rebuilt (code * scale + offset, one rounding).
+template <int kBits, int kHalf>
+inline void RebuiltHalf(const uint8_t* codes, const float* qparams, int64_t i, __m256& b0, __m256& b1) {
+  const float* qp = qparams + (i / kQuantBlock) * 2 * kNR + 16 * kHalf;
+  __m256i q0, q1;
+  HalfCodes<kBits, kHalf>(codes, i, q0, q1);
+  b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(qp), _mm256_loadu_ps(qp + kNR));
+  b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(qp + 8), _mm256_loadu_ps(qp + kNR + 8));
+}
+
 // One row of 4-bit weights: all 32 columns in one pass over K, four sums in flight where a half had
 // two, whose chains of fused multiply-adds waited on the FMA latency (SmolLM2's 4-bit shapes, weights
-// from memory, Zen 3: 1.01-1.17x). The block's offsets are loaded at every row: held in registers as
-// well, they and the accumulators spilled (a generic kernel over 1 or 2 halves did: 0.8-0.9x).
+// from memory, Zen 3: 1.01-1.17x). Each row's scales and offsets are loaded with it (RebuiltHalf):
+// holding the block's in registers measured no faster, and a generic kernel over 1 or 2 halves
+// spilled its accumulators (0.8-0.9x).
 template <int kBits>
 void OneRowQuantF32(const float* a, const uint8_t* codes, const float* qparams, int64_t k, float* c, int64_t cols) {
   __m256 lo[1][2], hi[1][2];
   lo[0][0] = lo[0][1] = hi[0][0] = hi[0][1] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < k / kQuantBlock; ++blk) {
-    const float* qp = qparams + blk * 2 * kNR;
-    const __m256 s0 = _mm256_loadu_ps(qp), s1 = _mm256_loadu_ps(qp + 8);
-    const __m256 s2 = _mm256_loadu_ps(qp + 16), s3 = _mm256_loadu_ps(qp + 24);
-    const float* offsets = qp + kNR;
 #pragma GCC unroll 2
-    for (int64_t i = blk * kQuantBlock; i < (blk + 1) * kQuantBlock; ++i) {
-      __m256i q0, q1, q2, q3;
-      HalfCodes<kBits, 0>(codes, i, q0, q1);
-      HalfCodes<kBits, 1>(codes, i, q2, q3);
-      const __m256 av = _mm256_broadcast_ss(a + i);
-      const __m256 b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), s0, _mm256_loadu_ps(offsets));
-      const __m256 b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), s1, _mm256_loadu_ps(offsets + 8));
-      const __m256 b2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q2), s2, _mm256_loadu_ps(offsets + 16));
-      const __m256 b3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q3), s3, _mm256_loadu_ps(offsets + 24));
-      lo[0][0] = _mm256_fmadd_ps(av, b0, lo[0][0]);
-      lo[0][1] = _mm256_fmadd_ps(av, b1, lo[0][1]);
-      hi[0][0] = _mm256_fmadd_ps(av, b2, hi[0][0]);
-      hi[0][1] = _mm256_fmadd_ps(av, b3, hi[0][1]);
-    }
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 b0, b1, b2, b3;
+    RebuiltHalf<kBits, 0>(codes, qparams, i, b0, b1);
+    RebuiltHalf<kBits, 1>(codes, qparams, i, b2, b3);
+    const __m256 av = _mm256_broadcast_ss(a + i);
+    lo[0][0] = _mm256_fmadd_ps(av, b0, lo[0][0]);
+    lo[0][1] = _mm256_fmadd_ps(av, b1, lo[0][1]);
+    hi[0][0] = _mm256_fmadd_ps(av, b2, hi[0][0]);
+    hi[0][1] = _mm256_fmadd_ps(av, b3, hi[0][1]);
   }
   StoreHalf<1>(lo, c, 0, cols);
   StoreHalf<1>(hi, c + 16, 0, cols - 16);
@@ -654,16 +655,6 @@ void MicroQuantF32(const float* a, int64_t lda, const uint8_t* codes, const floa
     HalfQuantF32<R, kBits, 0>(a, lda, codes, qparams, k, c, ldc, cols);
     if (cols > 16) HalfQuantF32<R, kBits, 1>(a, lda, codes, qparams, k, c, ldc, cols);
   }
-}
-
-// Quantized panel row i, columns 16h .. 16h + 15, rebuilt (code * scale + offset, one rounding).
-template <int kBits, int kHalf>
-inline void RebuiltHalf(const uint8_t* codes, const float* qparams, int64_t i, __m256& b0, __m256& b1) {
-  const float* qp = qparams + (i / kQuantBlock) * 2 * kNR + 16 * kHalf;
-  __m256i q0, q1;
-  HalfCodes<kBits, kHalf>(codes, i, q0, q1);
-  b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(qp), _mm256_loadu_ps(qp + kNR));
-  b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(qp + 8), _mm256_loadu_ps(qp + kNR + 8));
 }
 
 template <int kBits>
@@ -1209,9 +1200,9 @@ void QuantBlocksF32(const float* x, int64_t rows, const uint8_t* codes, const fl
 // AVX-512 and AVX2) rebuilds the weights in registers as it goes (the codes are all it reads), an
 // AVX2 float32 unit of up to kQuantBlockRows rows one block of k at a time (QuantBlocksF32), any
 // other unit rebuilds its panel once into the dense layout in cache (thread-local) and runs the
-// dense kernels on it. Either way each output is the dense kernel's sum over the same weights (bfloat16: the rebuilt weight rounded, as
-// pack_weight rounds the dequantized one), and bfloat16 units take tiles exactly where the dense
-// Gemm's do. False if the problem is too large.
+// dense kernels on it. Either way each output is the dense kernel's sum over the same weights
+// (bfloat16: the rebuilt weight rounded, as pack_weight rounds the dequantized one), and bfloat16
+// units take tiles exactly where the dense Gemm's do. False if the problem is too large.
 template <int kBits, typename T, typename O, typename Pool>
 bool QuantGemm(const T* x, const uint8_t* w, O* out, int64_t m, int64_t k, int64_t n, Pool& pool) {
   static constexpr auto kDense = MicroTables<T, O>(std::make_index_sequence<kPrefetchModes>());
