@@ -47,14 +47,65 @@ def test_allocation_pops_head_and_free_appends_tail() -> None:
     assert pool.allocate(4) == [4, 5, 2, 1]
 
 
-def test_manager_frees_a_request_last_block_first() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=2)
+@pytest.mark.parametrize("caching, freed_order", [(True, [3, 2, 1]), (False, [1, 2, 3])])
+def test_manager_frees_a_request_last_block_first_when_caching(caching: bool, freed_order: list[int]) -> None:
+    """With prefix caching a request's tail is evicted before its (shareable) prefix; without it the
+    blocks go back in table order, so that the free queue keeps their run ascending."""
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=caching)
     req = make_request("a", 5)
     assert kv.allocate_slots(req, 5)
     assert req.block_ids == [1, 2, 3]
     kv.free(req)
     assert req.block_ids == []
-    assert kv.pool.allocate(7) == [4, 5, 6, 7, 3, 2, 1]
+    assert kv.pool.allocate(7) == [4, 5, 6, 7] + freed_order
+
+
+def test_tables_grow_into_the_next_ids_while_free_and_uncached() -> None:
+    pool = BlockPool(12)
+    table: list[int] = []
+    pool.append_runs([table], [2])                              # an empty table: a new run at the head
+    pool.append_runs([table], [2])                              # grows in place
+    assert table == [1, 2, 3, 4]
+    assert pool.allocate(1) == [5]                              # the head; filled, published, freed
+    pool.cache(5, block_hash=123, token_ids=(1,), parent=b"root")
+    pool.free([5])
+    # 5 is free but caches a block: taking it out of LRU order would evict it early, so the table
+    # continues in a new run from the head (6) instead.
+    pool.append_runs([table], [2])
+    assert table == [1, 2, 3, 4, 6, 7] and pool.num_cached_blocks == 1
+    with pytest.raises(ValueError, match="only 5 free"):       # all or nothing
+        pool.append_runs([table, []], [2, 4])
+    assert len(table) == 6 and pool.num_free_blocks == 5
+
+
+def test_a_new_run_keeps_room_to_grow_after_it() -> None:
+    pool = BlockPool(20)
+    a: list[int] = []
+    b: list[int] = []
+    pool.append_runs([a, b], [2, 2], room=lambda i: 4)          # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
+    assert (a, b) == ([1, 2], [7, 8])
+    for _ in range(4):                                          # interleaved growth stays consecutive
+        pool.append_runs([a, b], [1, 1])
+    assert (a, b) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+    pool.append_runs([a], [1])                                  # past its room (7 is b's): a new run
+    assert a[-1] == 13
+
+
+def test_interleaved_decodes_keep_each_block_table_consecutive() -> None:
+    """Two requests admitted one after the other, then decoding in turns (each opening a block every
+    two tokens): each table is one run of ids, not ids alternating between them."""
+    kv = KVCacheManager(num_blocks=64, block_size=2)
+    reqs = [make_request("a", 3), make_request("b", 5)]
+    for r in reqs:
+        assert kv.allocate_slots(r, r.num_prompt_tokens)
+        r.num_computed_tokens = r.num_prompt_tokens
+    for _ in range(12):
+        for r in reqs:
+            assert kv.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+    for r in reqs:
+        assert r.block_ids == list(range(r.block_ids[0], r.block_ids[0] + len(r.block_ids)))
+    assert len(set(reqs[0].block_ids) | set(reqs[1].block_ids)) == 8 + 9
 
 
 def test_double_free_raises_and_leaves_pool_untouched() -> None:
