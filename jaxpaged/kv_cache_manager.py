@@ -194,14 +194,15 @@ class BlockPool:
         self.append_runs([block_ids], [n])
         return block_ids
 
-    def append_runs(self, tables: list[list[int]], counts: list[int],
-                    room: Callable[[int], int] | None = None) -> None:
+    def append_runs(self, tables: list[list[int]], counts: list[int], room: int = 0) -> None:
         """Append ``counts[i]`` blocks, each with ref count 1, to block table ``tables[i]``, in runs of
         consecutive ids where the free blocks allow: the ids after a table's last block while they are
         free and cache nothing (taking those out of LRU order loses nothing), else a new run from the
-        head of the free queue (the least recently freed block, evicted if cached). A new run moves
-        the ``room(i)`` uncached free blocks after it to the queue's tail, so that the next run placed
-        at the head leaves them for table ``i`` to grow into. Why: the CPU decode attention reads a
+        head of the free queue (the least recently freed block, evicted if cached). The first run of
+        an empty table (a request's first blocks) moves the ``room`` uncached free blocks after it to
+        the queue's tail, so that the next table placed at the head leaves them for this one to grow
+        into; a table that outgrows them continues in a new run, without room (whatever the pool's
+        pressure, a table costs at most one such move). Why: the CPU decode attention reads a
         sequence's pages in table order, and consecutive pages (one stream a layer) read 1.5-1.9x
         faster than pages scattered over the pool (``docs/architecture.md``). All or nothing."""
         total = sum(counts)
@@ -211,13 +212,11 @@ class BlockPool:
         if total > len(free):
             raise ValueError(f"cannot allocate {total} blocks: only {len(free)} free.")
         block_key, ref_counts, generation = self._block_key, self._ref_counts, self._generation
-        i = 0
         for table, n in zip(tables, counts):
-            b = table[-1] + 1 if table else -1
-            started = False
+            b, new_table = (table[-1] + 1, False) if table else (-1, True)
             for _ in range(n):
                 if b not in free or block_key[b] is not None:
-                    b, started = free.popitem(last=False)[0], True
+                    b = free.popitem(last=False)[0]
                     key = block_key[b]
                     if key is not None:       # evict: its contents are about to be overwritten
                         del self._cached[key[0]]
@@ -228,12 +227,11 @@ class BlockPool:
                 generation[b] += 1
                 table.append(b)
                 b += 1
-            if started and room is not None:
-                for b in range(b, b + room(i)):
+            if new_table:
+                for b in range(b, b + room):
                     if b not in free or block_key[b] is not None:
                         break
                     free.move_to_end(b)
-            i += 1
         self._num_refs += total
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -364,7 +362,7 @@ class KVCacheManager:
             self.pool.free([src])          # still held by its other owners
             self._pending_copies.append((src, dst))
         first = len(block_ids) if cow is None else cow
-        self.pool.append_runs([block_ids], [missing], lambda _: self._growth_room(request))
+        self.pool.append_runs([block_ids], [missing], 0 if block_ids else self._growth_room(request, missing))
         self.shared_tails.discard(request.request_id)
         self._mark_changed(request, first)
         if self.enable_caching:
@@ -391,15 +389,15 @@ class KVCacheManager:
                              f"{self.pool.num_free_blocks} free.")
         for r, table in zip(grown, tables):
             mark(r, len(table))
-        self.pool.append_runs(tables, counts, lambda i: self._growth_room(grown[i]))
+        self.pool.append_runs(tables, counts)
         if self.enable_caching:
             self._publish_full_blocks([(r, r.num_computed_tokens) for r in grown])
 
-    def _growth_room(self, request: Request) -> int:
-        """Free blocks to keep after a new run of ``request``'s table (``BlockPool.append_runs``): what
-        its longest possible length (prompt + ``max_tokens``) still needs, at most ``MAX_GROWTH_ROOM``."""
-        room = self.blocks_needed(len(request.prompt_token_ids) + request.max_tokens) - len(request.block_ids)
-        return room if room < MAX_GROWTH_ROOM else MAX_GROWTH_ROOM
+    def _growth_room(self, request: Request, num_blocks: int) -> int:
+        """Free blocks to keep after the first ``num_blocks`` of ``request``'s table (``BlockPool.append_runs``):
+        what its longest possible length (prompt + ``max_tokens``) needs more, at most ``MAX_GROWTH_ROOM``."""
+        room = self.blocks_needed(len(request.prompt_token_ids) + request.max_tokens) - num_blocks
+        return min(room, MAX_GROWTH_ROOM)
 
     def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         """How many free blocks ``allocate_slots(request, num_new_tokens)`` would take now."""
@@ -467,7 +465,7 @@ class KVCacheManager:
         if n + max(0, missing) > self.pool.num_free_blocks:
             return None
         dev: list[int] = []
-        self.pool.append_runs([dev], [n + max(0, missing)], lambda _: self._growth_room(request))
+        self.pool.append_runs([dev], [n + max(0, missing)], self._growth_room(request, n + max(0, missing)))
         pairs = list(zip(request.host_block_ids, dev[:n]))
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []

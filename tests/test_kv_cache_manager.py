@@ -82,13 +82,14 @@ def test_a_new_run_keeps_room_to_grow_after_it() -> None:
     pool = BlockPool(20)
     a: list[int] = []
     b: list[int] = []
-    pool.append_runs([a, b], [2, 2], room=lambda i: 4)          # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
+    pool.append_runs([a, b], [2, 2], room=4)                    # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
     assert (a, b) == ([1, 2], [7, 8])
     for _ in range(4):                                          # interleaved growth stays consecutive
         pool.append_runs([a, b], [1, 1])
     assert (a, b) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
-    pool.append_runs([a], [1])                                  # past its room (7 is b's): a new run
-    assert a[-1] == 13
+    pool.append_runs([a], [1], room=4)                          # past its room (7 is b's): a new run,
+    pool.append_runs([[]], [1])                                 # which keeps no room: only a new table does
+    assert a[-1] == 13 and pool.allocate(1) == [15]
 
 
 def test_interleaved_decodes_keep_each_block_table_consecutive() -> None:
