@@ -48,8 +48,8 @@ from jaxpaged.request import Request
 NULL_BLOCK_ID = 0
 """Reserved block that padding rows of a batch point at; never handed out."""
 MAX_GROWTH_ROOM = 64
-"""Most free blocks a new run of a block table keeps free after it for the table's growth (see
-``BlockPool.allocate``): a table growing past them continues in a new run."""
+"""Most free blocks a request's first run of blocks keeps free after it for the table's growth (see
+``BlockPool.append_runs``): a table growing past them continues in a new run."""
 
 BlockHash = int
 RootDigest = bytes
@@ -206,7 +206,7 @@ class BlockPool:
         sequence's pages in table order, and consecutive pages (one stream a layer) read 1.5-1.9x
         faster than pages scattered over the pool (``docs/architecture.md``). All or nothing."""
         total = sum(counts)
-        if total < 0 or min(counts, default=0) < 0:
+        if min(counts, default=0) < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({counts}).")
         free = self._free_queue
         if total > len(free):
@@ -502,11 +502,11 @@ class KVCacheManager:
         return request.num_computed_tokens
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (device ones last block first, and any swapped-out
-        host ones) and clear its block table. Its block hashes are kept: a preempted request that
-        resumes looks its prefix up without hashing its tokens again."""
-        # Without prefix caching nothing is worth keeping: first block first, the blocks' ascending runs
-        # stay ascending in the free queue, for the next tables to be laid out in (``BlockPool.allocate``).
+        """Release the request's blocks (and any swapped-out host ones) and clear its block table.
+        With prefix caching the device blocks go last block first, so that its shareable prefix is
+        evicted last; without it, first block first, so that their run stays ascending in the free
+        queue for the next tables to grow in (``BlockPool.append_runs``). Its block hashes are kept:
+        a preempted request that resumes looks its prefix up without hashing its tokens again."""
         self.pool.free(reversed(request.block_ids) if self.enable_caching else request.block_ids)
         request.block_ids.clear()
         self._mark_changed(request)
