@@ -375,8 +375,8 @@ class KVCacheManager:
         step's tokens (decode steps opening their next blocks, the common allocation). None of them
         may be in ``shared_tails`` (no copy on write to make); ``ValueError``, changing nothing, if
         the pool is short."""
-        bs, mark = self.block_size, self._mark_changed
-        grown, tables, counts = [], [], []
+        bs = self.block_size
+        grown, tables, counts, firsts = [], [], [], []
         for r in requests:
             table = r.block_ids
             c = -(-r.num_computed_tokens // bs) - len(table)
@@ -384,12 +384,11 @@ class KVCacheManager:
                 grown.append(r)
                 tables.append(table)
                 counts.append(c)
-        if sum(counts) > self.pool.num_free_blocks:
-            raise ValueError(f"cannot grow {len(grown)} block tables by {sum(counts)} blocks: only "
-                             f"{self.pool.num_free_blocks} free.")
-        for r, table in zip(grown, tables):
-            mark(r, len(table))
-        self.pool.append_runs(tables, counts)
+                firsts.append(len(table))
+        self.pool.append_runs(tables, counts)      # all or nothing: raises before changing anything
+        mark = self._mark_changed
+        for r, first in zip(grown, firsts):
+            mark(r, first)
         if self.enable_caching:
             self._publish_full_blocks([(r, r.num_computed_tokens) for r in grown])
 
@@ -461,11 +460,11 @@ class KVCacheManager:
         """Bring a swapped-out request back into fresh device blocks, plus room for
         ``num_new_tokens``: (host, device) pairs to copy before the step, or None if short."""
         n = len(request.host_block_ids)
-        missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - n
-        if n + max(0, missing) > self.pool.num_free_blocks:
+        total = max(n, self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        if total > self.pool.num_free_blocks:
             return None
         dev: list[int] = []
-        self.pool.append_runs([dev], [n + max(0, missing)], self._growth_room(request, n + max(0, missing)))
+        self.pool.append_runs([dev], [total], self._growth_room(request, total))
         pairs = list(zip(request.host_block_ids, dev[:n]))
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []
