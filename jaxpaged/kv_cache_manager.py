@@ -12,8 +12,9 @@ computes only the rest. Freed blocks keep their contents and their hash: a block
 ref count 0 goes to the *tail* of an ordered free queue while allocation takes from the
 *head*, so the least recently freed block is evicted first (LRU), and a request's blocks
 are freed last-block-first so its shared prefix outlives its tail. A block table grows in
-place, into the ids after its last block, while those are free and cache nothing
-(``BlockPool.append_runs``): consecutive pages are faster for the CPU attention to read.
+runs of consecutive ids (``BlockPool.append_runs``): consecutive pages are faster for the CPU
+attention to read. A run takes a cached free block out of LRU order only where it was kept for
+the table: the rest of the run of blocks it started in, freed together, the next LRU victims.
 A hit is verified exactly: the cached block's token ids must equal the request's, and its
 parent must be the very block (same physical id, not overwritten since) that the request
 matched one step earlier, or for a first block the request's own root digest; so a hash
@@ -50,6 +51,8 @@ NULL_BLOCK_ID = 0
 MAX_GROWTH_ROOM = 64
 """Most free blocks a request's first run of blocks keeps free after it for the table's growth (see
 ``BlockPool.append_runs``): a table growing past them continues in a new run."""
+LATER_RUN_ROOM = 16
+"""Free blocks a table's later run (its earlier one could not grow) keeps after it, for the same reason."""
 
 BlockHash = int
 RootDigest = bytes
@@ -109,6 +112,12 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def _kept_for(table: list[int]) -> int:
+    """``BlockPool``'s mark, in place of a free block's free time (a clock reading, never negative),
+    of a block kept for ``table`` to grow into."""
+    return -1 - id(table)
+
+
 class BlockPool:
     """Reference-counted KV blocks ``1 .. num_blocks - 1`` with an LRU-ordered free queue.
 
@@ -124,6 +133,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks))
+        self._freed_at = list(range(num_blocks))  # a clock reading when each block last joined the free queue
+        self._clock = num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._block_key: list[tuple[BlockHash, tuple[int, ...], ParentKey] | None] = [None] * num_blocks
         self._generation = [0] * num_blocks    # bumped whenever a block's contents are replaced
@@ -196,15 +207,20 @@ class BlockPool:
 
     def append_runs(self, tables: list[list[int]], counts: list[int], room: int = 0) -> None:
         """Append ``counts[i]`` blocks, each with ref count 1, to block table ``tables[i]``, in runs of
-        consecutive ids where the free blocks allow: the ids after a table's last block while they are
-        free and cache nothing (taking those out of LRU order loses nothing), else a new run from the
-        head of the free queue (the least recently freed block, evicted if cached). The first run of
-        an empty table (a request's first blocks) moves the ``room`` uncached free blocks after it to
-        the queue's tail, so that the next table placed at the head leaves them for this one to grow
-        into; a table that outgrows them continues in a new run, without room (whatever the pool's
-        pressure, a table costs at most one such move). Why: the CPU decode attention reads a
-        sequence's pages in table order, and consecutive pages (one stream a layer) read 1.5-1.9x
-        faster than pages scattered over the pool (``docs/architecture.md``). All or nothing."""
+        consecutive ids where the free blocks allow. A table's run goes on into the next id in its
+        direction (either, after a run of one block) while that block is free and taking it keeps LRU
+        order: it caches nothing, was kept for the table (below), or is the head of the free queue;
+        otherwise the table starts a new run at the head (the least recently freed block, evicted if
+        cached). A new run keeps free blocks after it, in its direction, for the table to grow into:
+        ``room`` of them for the first run of an empty table (a request's first blocks),
+        ``LATER_RUN_ROOM`` for a later one. Kept are uncached blocks and, with prefix caching, the
+        blocks freed right after the run's last one (a table is freed last block first, so its blocks
+        come back in a run counting down from the queue's head): the next ones LRU would evict, whose
+        eviction waits for this table. They move to the queue's tail (the next table placed at the
+        head leaves them), marked as kept for this table, which no other table takes them (until
+        one reaches the queue's head). Why: the CPU decode attention reads a sequence's pages in
+        table order, and consecutive pages (one stream a layer) read 1.5-1.9x faster than pages
+        scattered over the pool (``docs/architecture.md``). All or nothing."""
         total = sum(counts)
         if min(counts, default=0) < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({counts}).")
@@ -212,27 +228,59 @@ class BlockPool:
         if total > len(free):
             raise ValueError(f"cannot allocate {total} blocks: only {len(free)} free.")
         block_key, ref_counts, generation = self._block_key, self._ref_counts, self._generation
+        freed_at = self._freed_at
+
+        def takes(b: int, mine: int) -> bool:  # free; keeps LRU order; not kept for another table
+            return b in free and (freed_at[b] == mine or b == next(iter(free))
+                                  or (block_key[b] is None and freed_at[b] >= 0))
+
         for table, n in zip(tables, counts):
-            b, new_table = (table[-1] + 1, False) if table else (-1, True)
+            mine = _kept_for(table)
+            first = new_run = not table
             for _ in range(n):
-                if b not in free or block_key[b] is not None:
-                    b = free.popitem(last=False)[0]
-                    key = block_key[b]
-                    if key is not None:       # evict: its contents are about to be overwritten
-                        del self._cached[key[0]]
-                        block_key[b] = None
-                else:
-                    del free[b]
+                b = -1
+                if table:
+                    last = table[-1]
+                    step = last - table[-2] if len(table) > 1 else 0
+                    if takes(last + (step if step == -1 else 1), mine):
+                        b = last + (step if step == -1 else 1)
+                    elif step not in (1, -1) and takes(last - 1, mine):
+                        b = last - 1
+                if b < 0:
+                    b, new_run = next(iter(free)), True
+                del free[b]
+                key = block_key[b]
+                if key is not None:           # evict: its contents are about to be overwritten
+                    del self._cached[key[0]]
+                    block_key[b] = None
                 ref_counts[b] = 1
                 generation[b] += 1
                 table.append(b)
-                b += 1
-            if new_table:
-                for b in range(b, b + room):
-                    if b not in free or block_key[b] is not None:
-                        break
-                    free.move_to_end(b)
+            if new_run and table:
+                self._keep_after(table, room if first else LATER_RUN_ROOM)
         self._num_refs += total
+
+    def _keep_after(self, table: list[int], room: int) -> None:
+        """Keep up to ``room`` free blocks after ``table``'s last run, in its direction (after a run of
+        one block, up if the block above can be kept, else down): uncached ones, or each freed right
+        after the one before it, none kept for another table. See ``append_runs``."""
+        free, block_key, freed_at = self._free_queue, self._block_key, self._freed_at
+        last, mine = table[-1], _kept_for(table)
+
+        def keeps(b: int, before: int) -> bool:
+            return b in free and freed_at[b] >= 0 and (block_key[b] is None or freed_at[b] == before + 1)
+
+        if len(table) > 1 and abs(last - table[-2]) == 1:
+            step = last - table[-2]
+        else:
+            step = 1 if keeps(last + 1, freed_at[last]) else -1
+        before = freed_at[last]
+        for b in range(last + step, last + step * (room + 1), step):
+            if not keeps(b, before):
+                break
+            before = freed_at[b]
+            free.move_to_end(b)
+            freed_at[b] = mine
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one owner to each block; every block must already be in use."""
@@ -259,6 +307,8 @@ class BlockPool:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free_queue[b] = None
+                self._freed_at[b] = self._clock
+                self._clock += 1
         self._num_refs -= len(block_ids)
 
     def _check_id(self, block_id: int) -> None:

@@ -87,9 +87,43 @@ def test_a_new_run_keeps_room_to_grow_after_it() -> None:
     for _ in range(4):                                          # interleaved growth stays consecutive
         pool.append_runs([a, b], [1, 1])
     assert (a, b) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
-    pool.append_runs([a], [1], room=4)                          # past its room (7 is b's): a new run,
-    pool.append_runs([[]], [1])                                 # which keeps no room: only a new table does
-    assert a[-1] == 13 and pool.allocate(1) == [15]
+    pool.append_runs([a], [1], room=4)                          # past its room (7 is b's): a new run at
+    assert a[-1] == 13                                          # the head, which keeps LATER_RUN_ROOM
+    assert pool.allocate(2) == [14, 15]                         # (14 .. 19 here) at the tail: the head
+    pool.free([14, 15])                                         # reaches them only when nothing else is free
+    pool.append_runs([a], [2])
+    assert a[-3:] == [13, 14, 15]
+
+
+def test_with_prefix_caching_freed_tables_are_reused_in_runs_in_lru_order() -> None:
+    """Prefix caching frees a table last block first, so once the pool has cycled every free block
+    caches something and the free queue holds runs counting down. A new table takes its blocks in
+    LRU order, which is such a run, and keeps the next ones of that run (the next LRU victims) to
+    grow into; another table placed at the head meanwhile starts past them, and when it outgrows its
+    run its next run keeps room as well. Both tables stay in runs, interleaved decodes included, and
+    nothing is evicted but the blocks taken."""
+    kv = KVCacheManager(num_blocks=40, block_size=2, enable_caching=True)
+    fillers = [Request(f"f{i}", list(range(100 * i, 100 * i + 25)), SamplingParams(), max_tokens=1, seed=0)
+               for i in range(3)]
+    for f in fillers:                                           # 13 blocks each, 12 full: the whole pool
+        assert kv.allocate_slots(f, 25)
+    assert [f.block_ids[0] for f in fillers] == [1, 14, 27] and kv.pool.num_cached_blocks == 36
+    for f in fillers:
+        kv.free(f)                                              # the queue: 13 .. 1, 26 .. 14, 39 .. 27
+    reqs = [make_request("a", 3), make_request("b", 5)]        # room: 16 output tokens, 8 blocks more
+    for r in reqs:
+        assert kv.allocate_slots(r, r.num_prompt_tokens)
+        r.num_computed_tokens = r.num_prompt_tokens
+    assert [r.block_ids for r in reqs] == [[13, 12], [3, 2, 1]]  # a keeps 11 .. 4; b nothing (0 is null)
+    for _ in range(12):
+        for r in reqs:
+            assert kv.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+    assert reqs[0].block_ids == list(range(13, 5, -1))
+    assert reqs[1].block_ids == [3, 2, 1, 26, 25, 24, 23, 22, 21]  # its second run started at the head
+    # Evicted: the 15 cached blocks taken (13 and 26 cached nothing); published: a's and b's full
+    # prompt blocks ([0, 1], the same for both, and [2, 3]).
+    assert kv.pool.num_cached_blocks == 36 - 15 + 2
 
 
 def test_interleaved_decodes_keep_each_block_table_consecutive() -> None:
