@@ -217,8 +217,8 @@ class BlockPool:
         blocks freed right after the run's last one (a table is freed last block first, so its blocks
         come back in a run counting down from the queue's head): the next ones LRU would evict, whose
         eviction waits for this table. They move to the queue's tail (the next table placed at the
-        head leaves them), marked as kept for this table, which no other table takes them (until
-        one reaches the queue's head). Why: the CPU decode attention reads a sequence's pages in
+        head leaves them), marked as kept for this table: no other table takes them (until one
+        reaches the queue's head). Why: the CPU decode attention reads a sequence's pages in
         table order, and consecutive pages (one stream a layer) read 1.5-1.9x faster than pages
         scattered over the pool (``docs/architecture.md``). All or nothing."""
         total = sum(counts)
