@@ -114,8 +114,15 @@ class PrefixCacheStats:
 
 def _kept_for(table: list[int]) -> int:
     """``BlockPool``'s mark, in place of a free block's free time (a clock reading, never negative),
-    of a block kept for ``table`` to grow into."""
+    of a block kept for ``table`` to grow into. (A table gone may leave its id to a new one, which
+    may then take its kept blocks: they are free either way.)"""
     return -1 - id(table)
+
+
+def _run_step(table: list[int]) -> int:
+    """The direction of ``table``'s last run: 1 up, -1 down, 0 if it is one block long."""
+    step = table[-1] - table[-2] if len(table) > 1 else 0
+    return step if step in (1, -1) else 0
 
 
 class BlockPool:
@@ -231,8 +238,8 @@ class BlockPool:
         freed_at = self._freed_at
 
         def takes(b: int, mine: int) -> bool:  # free; keeps LRU order; not kept for another table
-            return b in free and (freed_at[b] == mine or b == next(iter(free))
-                                  or (block_key[b] is None and freed_at[b] >= 0))
+            return b in free and ((block_key[b] is None and freed_at[b] >= 0) or freed_at[b] == mine
+                                  or b == next(iter(free)))
 
         for table, n in zip(tables, counts):
             mine = _kept_for(table)
@@ -240,11 +247,10 @@ class BlockPool:
             for _ in range(n):
                 b = -1
                 if table:
-                    last = table[-1]
-                    step = last - table[-2] if len(table) > 1 else 0
-                    if takes(last + (step if step == -1 else 1), mine):
-                        b = last + (step if step == -1 else 1)
-                    elif step not in (1, -1) and takes(last - 1, mine):
+                    last, step = table[-1], _run_step(table)
+                    if takes(last + (step or 1), mine):
+                        b = last + (step or 1)
+                    elif not step and takes(last - 1, mine):
                         b = last - 1
                 if b < 0:
                     b, new_run = next(iter(free)), True
@@ -270,10 +276,7 @@ class BlockPool:
         def keeps(b: int, before: int) -> bool:
             return b in free and freed_at[b] >= 0 and (block_key[b] is None or freed_at[b] == before + 1)
 
-        if len(table) > 1 and abs(last - table[-2]) == 1:
-            step = last - table[-2]
-        else:
-            step = 1 if keeps(last + 1, freed_at[last]) else -1
+        step = _run_step(table) or (1 if keeps(last + 1, freed_at[last]) else -1)
         before = freed_at[last]
         for b in range(last + step, last + step * (room + 1), step):
             if not keeps(b, before):

@@ -79,7 +79,7 @@ def test_tables_grow_into_the_next_ids_while_free_and_uncached() -> None:
 
 
 def test_a_new_run_keeps_room_to_grow_after_it() -> None:
-    pool = BlockPool(20)
+    pool = BlockPool(40)
     a: list[int] = []
     b: list[int] = []
     pool.append_runs([a, b], [2, 2], room=4)                    # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
@@ -89,9 +89,8 @@ def test_a_new_run_keeps_room_to_grow_after_it() -> None:
     assert (a, b) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
     pool.append_runs([a], [1], room=4)                          # past its room (7 is b's): a new run at
     assert a[-1] == 13                                          # the head, which keeps LATER_RUN_ROOM
-    assert pool.allocate(2) == [14, 15]                         # (14 .. 19 here) at the tail: the head
-    pool.free([14, 15])                                         # reaches them only when nothing else is free
-    pool.append_runs([a], [2])
+    assert pool.allocate(2) == [30, 31]                         # blocks (14 .. 29) at the tail: a table
+    pool.append_runs([a], [2])                                  # placed at the head leaves them for a
     assert a[-3:] == [13, 14, 15]
 
 
