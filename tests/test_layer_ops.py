@@ -109,6 +109,25 @@ def test_native_rms_norm_matches_torch(dtype, tokens: int, d: int) -> None:
 
 
 @needs_kernels
+def test_native_bfloat16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
+    """The fused add's sum rounded to bfloat16 as torch rounds it: halfway cases to even, overflow to
+    infinity, NaN kept NaN, in a row's full vectors and in its masked tail (d = 40 = 16 + 16 + 8)."""
+    cases = [(1.0, 2.0 ** -8), (1 + 2.0 ** -7, 2.0 ** -8), (-1 - 2.0 ** -7, -2.0 ** -8), (3.0, 2.0 ** -7),
+             (np.inf, 1.0), (np.inf, -np.inf), (np.nan, 1.0), (3.3895e38, 3.3895e38), (-0.0, -0.0), (0.5, -0.5)]
+    h, residual = np.zeros((2, 40), np.float32), np.zeros((2, 40), np.float32)
+    for i, (a, b) in enumerate(cases):
+        for j in (i, 30 + i):                               # lanes of full vectors, then of the tail
+            h[i % 2, j], residual[i % 2, j] = a, b
+    h, residual = jnp.asarray(h, jnp.bfloat16), jnp.asarray(residual, jnp.bfloat16)
+    total, _ = cpu_rms_norm(h, jnp.ones(40, jnp.bfloat16), 1e-5, residual)
+    want = _f32(_to_torch(h) + _to_torch(residual))
+    assert np.isnan(want).sum() == 4 and np.isinf(want).sum() == 4    # the cases are what they claim
+    np.testing.assert_array_equal(_f32(total), want)
+    numbers = ~np.isnan(want)                               # a NaN's sign is the hardware's choice
+    np.testing.assert_array_equal(np.signbit(_f32(total))[numbers], np.signbit(want)[numbers])
+
+
+@needs_kernels
 def test_native_rms_norm_zeroes_padding_rows() -> None:
     """Rows from ``num_rows`` on are a padded batch's padding: zero in both outputs, the real rows as
     in a call without padding."""

@@ -69,6 +69,23 @@ inline Vec Round(Vec v, float) { return v; }  // v rounded to the dtype and back
 inline Vec Round(Vec v, uint16_t) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ToBf16(v)), 16));
 }
+#elif JAXPAGED_AVX2
+inline void Store16(float* p, Vec v, Mask m) {
+  if ((m & 0xFFFF) == 0xFFFF) return Store(p, v);
+  _mm256_maskstore_ps(p, LaneMask(m), v.lo);
+  _mm256_maskstore_ps(p + 8, LaneMask(m >> 8), v.hi);
+}
+inline void Store16(uint16_t* p, Vec v, Mask m) {
+  const __m256i x = jaxpaged::Bf16x16(v.lo, v.hi);
+  if ((m & 0xFFFF) == 0xFFFF) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+  alignas(32) uint16_t y[kLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(y), x);
+  for (int i = 0; i < kLanes; ++i)
+    if (m >> i & 1) p[i] = y[i];
+}
+inline Vec Round(Vec v, float) { return v; }
+inline __m256 RoundBf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(jaxpaged::Bf16Lanes(v), 16)); }
+inline Vec Round(Vec v, uint16_t) { return {RoundBf16(v.lo), RoundBf16(v.hi)}; }
 #else
 template <typename T>
 inline void Store16(T* p, Vec v, Mask m) {
@@ -179,9 +196,12 @@ int64_t RealRowsZeroingRest(ffi::Buffer<ffi::S32> num_rows, std::initializer_lis
 // One half of a head: y[j] = x[j] * c[j] + partner[j] * s[j], partner being the other half.
 template <typename T>
 inline void RotateHalf(const T* x, const T* partner, const T* c, const T* s, T* y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j)
-    y[j] = FromF32<T>(Round<T>(ToF32(x[j]) * ToF32(c[j])) + Round<T>(ToF32(partner[j]) * ToF32(s[j])));
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const Mask m = FirstLanes(n - j);
+    const Vec a = Round(Mul(LoadMasked(x + j, m), LoadMasked(c + j, m)), T{});
+    const Vec b = Round(Mul(LoadMasked(partner + j, m), LoadMasked(s + j, m)), T{});
+    Store16(y + j, Add(a, b), m);
+  }
 }
 
 template <typename T>

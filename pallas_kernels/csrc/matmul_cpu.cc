@@ -402,20 +402,12 @@ void RebuildPanel(const uint8_t* codes, const float* qparams, int64_t k, uint16_
 // so the second finds them in L1/L2. Each output's sum runs over k in order, one fused multiply-add
 // per k (per pair for bfloat16: the low product, then the high one), as the AVX-512 kernels'.
 
-// 8 floats as bfloat16 in the low halves of 32-bit lanes: F32ToBf16 (nearest even, NaN kept quiet).
-inline __m256i Bf16Lanes(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
-  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
-}
+using jaxpaged::Bf16Lanes;
+using jaxpaged::Bf16x16;
 
 // 16 floats stored as bfloat16.
 inline void StoreBf16x16(const float* v, uint16_t* c) {
-  const __m256i packed = _mm256_packus_epi32(Bf16Lanes(_mm256_load_ps(v)), Bf16Lanes(_mm256_load_ps(v + 8)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm256_permute4x64_epi64(packed, 0xd8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), Bf16x16(_mm256_load_ps(v), _mm256_load_ps(v + 8)));
 }
 
 // Stores an R x 16 tile whose first `cols` (clamped to 0..16) columns are real. (Through a
