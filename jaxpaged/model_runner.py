@@ -7,9 +7,10 @@ only the new token ids (prompt chunks) are copied from Python lists. Shapes are 
 power-of-two buckets (tokens, rows, block-table width, prefill tiles) so the set of compiled
 programs stays small and known.
 
-A step is launched (``launch``: inputs over, forward and sampler dispatched, nothing waited
-for) and collected later (``collect``: sampled tokens back to the host), so the engine can
-schedule and launch step k+1 while step k runs. The model reads a decode token sampled by the
+A step is launched (``launch``: inputs over, forward and sampler dispatched, or for plain greedy
+rows the forward alone, which takes their argmax; nothing waited for) and collected later
+(``collect``: sampled tokens back to the host), so the engine can schedule and launch step k+1
+while step k runs. The model reads a decode token sampled by the
 previous step straight from that step's device output (``prev_index``), so no host round trip
 stands between two steps.
 """
@@ -30,7 +31,7 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.request import Request
-from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, prompt_logprobs, sample
+from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, argmax, prompt_logprobs, sample
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence_slots import SequenceSlots
@@ -56,8 +57,11 @@ TABLE_WRITE_SIZES = (64, 256, 1024, 4096)
 _NO_ROW = np.iinfo(np.int32).max
 _PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
                    "engine scheduled past an in-flight step)")
+GREEDY = SamplerFlags()
+"""Plain greedy sampling (no logprobs, penalties or bias): a one-step batch with these flags and no
+prompt logprobs takes its argmax inside the forward program (``_step``), with no sampler program."""
 # Sampler variants compiled at start-up: greedy, and plain random sampling (OpenAI's defaults).
-PRECOMPILED_SAMPLERS = (SamplerFlags(all_greedy=True), SamplerFlags(all_greedy=False))
+PRECOMPILED_SAMPLERS = (GREEDY, SamplerFlags(all_greedy=False))
 
 
 def _bucket(n: int, cap: int, floor: int = 1) -> int:
@@ -103,6 +107,8 @@ class StepBatch:
     packed: "tuple[np.ndarray, _InputLayout] | None" = None
     """The int32 inputs packed in one array and their layout (``_pack_inputs``), once built: the
     arrays above that go into it are views of it when the batch was advanced from the one before."""
+    greedy_in_forward: bool = False
+    """The forward program samples this batch (``ModelRunner.greedy_in_forward``): no sampler program runs."""
     programs_known: bool = False
     """Its programs (``program_keys``) are known to be in the runner's ``program_keys``: a steady batch
     of the same shapes, flags and steps as the batch before (checking the keys costs ~40 us with the
@@ -116,7 +122,7 @@ class StepBatch:
         return self.num_rows if P == 0 else self.sampling.temperature.shape[0] + P
 
     @property
-    def program_keys(self) -> tuple[tuple, tuple]:
+    def program_keys(self) -> tuple[tuple, ...]:
         """The shapes (and flags) that select the compiled forward and sampler programs."""
         st = self.sampling
         forward = ("forward", self.input_ids.shape[0], self.logits_indices.shape[0], self.table_width,
@@ -125,7 +131,7 @@ class StepBatch:
                    st.penalty_rows.shape[0], st.bias_rows.shape[0])
         if self.num_steps > 1:      # one program: forward and sampler, stepped
             return (("steps", self.num_steps, forward, sampler),)
-        return forward, sampler
+        return (forward,) if self.greedy_in_forward else (forward, sampler)
 
 
 @dataclass
@@ -152,18 +158,37 @@ class StepOutput:
 
 
 def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=None):
+    """The forward of a one-step batch: ``(kv_pages, logits, tables, tokens, prev_tokens)``. When the
+    packed ``greedy`` flag is set (``ModelRunner.greedy_in_forward``: every logits row is a sampled
+    row) ``tokens`` are the rows' argmax and ``prev_tokens`` them padded to its fixed shape, as
+    ``sample_fn`` returns them; otherwise zeros and the ``prev_tokens`` given (the sampler program
+    samples)."""
     # The params arrive as a flat tuple (their structure static): flattening SmolLM2's nested dict of
     # 183 arrays cost each jit call 0.1-0.3 ms more than a tuple does. The step's int32 inputs arrive
     # packed in one array (``_pack_inputs``): each host array handed to a jitted call is a transfer
     # of its own, ~5 us each once the device step has evicted the host's caches. The block tables
     # are updated here too (donated): a program of their own cost a dispatch, ~0.06 ms a step at 256 rows.
-    input_ids, positions, md, logits_indices, prev_index, num_logits, tables = _unpack_inputs(packed, layout, tables)
+    input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables = _unpack_inputs(
+        packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    else:
+        prev_tokens = jnp.zeros(logits_indices.shape[0], jnp.int32)
     logits, kv_pages = statics.module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices,
                                             num_logits)
-    return kv_pages, logits, tables
+    if getattr(statics.module, "mesh", None) is not None:   # the runner never sets the flag on a mesh
+        return kv_pages, logits, tables, jnp.zeros(logits.shape[0], jnp.int32), prev_tokens
+
+    def sampled(logits, prev):
+        tokens = argmax(logits)
+        n = min(tokens.shape[0], prev.shape[0])   # all of them when greedy (no prompt positions)
+        return tokens, jnp.zeros_like(prev).at[:n].set(tokens[:n])
+
+    tokens, prev_tokens = jax.lax.cond(greedy[0] != 0, sampled,
+                                       lambda logits, prev: (jnp.zeros(logits.shape[0], jnp.int32), prev),
+                                       logits, prev_tokens)
+    return kv_pages, logits, tables, tokens, prev_tokens
 
 
 _MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
@@ -173,8 +198,8 @@ _MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_s
 class _InputLayout:
     """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions,
     the metadata arrays but the block tables (``_MD_ARRAYS``), the rows' block-table rows,
-    logits_indices, prev_index, num_logits, the block-table writes. Static: part of the program's key, with the
-    metadata's tile size and the block-table columns read."""
+    logits_indices, prev_index, num_logits, greedy (1: the forward samples), the block-table writes.
+    Static: part of the program's key, with the metadata's tile size and the block-table columns read."""
 
     shapes: tuple[tuple[int, ...], ...]
     tile_size: int
@@ -182,7 +207,7 @@ class _InputLayout:
 
 
 def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_width, prev_index=None,
-                 num_logits=None, table_writes=None):
+                 num_logits=None, table_writes=None, greedy=False):
     """The step's int32 inputs as one flat host array, and its layout. The block tables go apart
     (``_unpack_inputs`` applies ``table_writes`` to them, then reads rows ``table_rows``). No
     ``prev_index`` means no in-flight token (all -1), no ``num_logits`` every ``logits_indices``
@@ -194,7 +219,8 @@ def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_wid
     if table_writes is None:
         table_writes = np.full((3, 0), _NO_ROW, np.int32)
     arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, *(getattr(md, f) for f in _MD_ARRAYS),
-                                                  table_rows, logits_indices, prev_index, num_logits, table_writes)]
+                                                  table_rows, logits_indices, prev_index, num_logits,
+                                                  np.int32(greedy)[None], table_writes)]
     return (np.concatenate([a.ravel() for a in arrays]),
             _InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width))
 
@@ -221,24 +247,25 @@ def _unpack_inputs(packed, layout: _InputLayout, tables):
         size = math.prod(shape)
         arrays.append(packed[at:at + size].reshape(shape))
         at += size
-    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits, writes = arrays
+    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits, greedy, writes = arrays
     tables = _write_tables(tables, writes)
     md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), block_tables=tables[table_rows, :layout.table_width],
                            tile_size=layout.tile_size)
-    return input_ids, positions, md, logits_indices, prev_index, num_logits, tables
+    return input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables
 
 
 @functools.cache
 def _jit_step(mesh):
     """``_step`` jitted for one device mesh (None: one device). On a mesh the shardings are explicit:
     params as placed, KV pages split on the kv-head axis in and out (donated), step inputs
-    replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler."""
+    replicated, and the vocabulary-sharded logits all-gathered (replicated) for the sampler (and the
+    greedy tokens)."""
     static, donate = ("statics", "layout"), ("kv_pages", "tables")
     if mesh is None:
         return jax.jit(_step, static_argnames=static, donate_argnames=donate)
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_step, static_argnames=static, donate_argnames=donate,
-                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep, rep))
+                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep, rep, rep, rep))
 
 
 def _write_tables(tables, writes):
@@ -276,7 +303,7 @@ def step_fn(*args, **kwargs):
     param tree, or the ``StepModel`` of both (what the runner passes each step).
     """
     fn, call_args = _step_call(*args, **kwargs)
-    kv_pages, logits, _ = fn(*call_args)
+    kv_pages, logits, *_ = fn(*call_args)
     return kv_pages, logits
 
 
@@ -345,7 +372,7 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
     the next step's in-flight token array, as ``sample_fn`` does for one step. The same per-step
     arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
     step would."""
-    input_ids, positions, md, logits_indices, prev_index, num_logits, tables = _unpack_inputs(packed, layout, tables)
+    input_ids, positions, md, logits_indices, prev_index, num_logits, _, tables = _unpack_inputs(packed, layout, tables)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     T, S = input_ids.shape[0], sampling.temperature.shape[0]
@@ -381,6 +408,13 @@ def _jit_steps(mesh):
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
     return jax.jit(_steps, static_argnames=static, donate_argnames=donate,
                    in_shardings=(None, kv, rep, rep, rep, rep, rep), out_shardings=(kv, rep, rep, rep))
+
+
+@functools.cache
+def _no_logprobs(rows: int) -> tuple[np.ndarray, ...]:
+    """The logprob fields of a ``SamplerOutput`` of ``rows`` rows that computed none (as ``sample`` leaves them)."""
+    return (np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros((rows, 0), np.int32),
+            np.zeros((rows, 0), np.float32))
 
 
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:
@@ -557,7 +591,8 @@ class ModelRunner:
         step_writes = np.empty((3, R_b), np.int32)
         table_writes = self._table_writes(step_writes)
         b = StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
-                      prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps)
+                      prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps,
+                      greedy_in_forward=self.greedy_in_forward(flags, out.num_steps, NP_b))
         # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
         # the same sequences reads its tokens where this one samples them.
         steady = (decode and not children and not NP and all(out.samples)
@@ -578,7 +613,7 @@ class ModelRunner:
         going along)."""
         R, T_b, R_b, bs = len(slots), last.input_ids.shape[0], last.table_rows.shape[0], self.block_size
         packed, layout = self._packed_inputs(last)
-        _, at_pos, at_slot, at_len, *_, at_writes = _offsets(layout.shapes)
+        _, at_pos, at_slot, at_len, *_, at_greedy, at_writes = _offsets(layout.shapes)
         moved = 1 if last.num_steps == 1 else last.row_steps[:R]
         packed = packed.copy()
         for at in (at_pos, at_slot, at_len):
@@ -601,12 +636,21 @@ class ModelRunner:
         same_programs = (width == last.table_width and flags is last.flags and out.num_steps == last.num_steps
                          and sampling.penalty_rows.shape == last.sampling.penalty_rows.shape
                          and sampling.bias_rows.shape == last.sampling.bias_rows.shape)
+        greedy = self.greedy_in_forward(flags, out.num_steps, 0)
+        packed[at_greedy] = greedy
         b = _replaced(last, positions=packed[at_pos:at_pos + T_b], md=md, table_width=width,
                       step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
-                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout),
+                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout), greedy_in_forward=greedy,
                       programs_known=last.programs_known and same_programs)
         self._steady = (slots, b)
         return b
+
+    def greedy_in_forward(self, flags: SamplerFlags, num_steps: int, num_prompt_positions: int) -> bool:
+        """Whether the forward program samples a batch (``StepBatch.greedy_in_forward``): one step of plain
+        greedy rows (``GREEDY``), no prompt positions, one device. No sampler program runs then: its
+        launch cost the host ~0.12 ms a step at 64-256 rows, measured (under tensor parallelism the
+        argmax would gather the vocabulary-split logits a second time)."""
+        return self._mesh is None and num_steps == 1 and not num_prompt_positions and flags == GREEDY
 
     @staticmethod
     def _row_steps(out: SchedulerOutput, R_b: int) -> np.ndarray | None:
@@ -806,7 +850,10 @@ class ModelRunner:
                 m.statics, layout, b.flags, b.num_steps, self.max_rows, m.leaves, self.kv_pages, packed, self._tables,
                 b.row_steps, self._prev_tokens, b.sampling)
             return LaunchedStep(sampled, None, b.prompt_rows, b.num_rows, b.num_steps)
-        logits = self.forward(b)
+        logits, tokens, prev_tokens = self.forward(b)
+        if b.greedy_in_forward:
+            self._prev_tokens = prev_tokens
+            return LaunchedStep(SamplerOutput(tokens, *_no_logprobs(tokens.shape[0])), None, b.prompt_rows, b.num_rows)
         sampled, prompt, self._prev_tokens = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
                                                        num_token_slots=self.max_rows)
         return LaunchedStep(sampled, prompt, b.prompt_rows, b.num_rows)
@@ -816,20 +863,22 @@ class ModelRunner:
         """``b.packed``, built on first use."""
         if b.packed is None:
             b.packed = _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
-                                    b.prev_index, np.int32(b.num_logits), b.step_table_writes)
+                                    b.prev_index, np.int32(b.num_logits), b.step_table_writes, b.greedy_in_forward)
         return b.packed
 
-    def forward(self, b: StepBatch) -> jax.Array:
+    def forward(self, b: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatch the forward program of a one-step batch (its ``table_writes`` must be applied
-        before, as ``run_batch`` does), keep its KV pages and tables; its logits, not waited for."""
+        before, as ``run_batch`` does), keep its KV pages and tables; its logits, and its sampled
+        tokens and their fixed-shape copy if ``b.greedy_in_forward`` (else zeros and the previous
+        ones), not waited for."""
         forward, args = self.forward_program(b)
-        self.kv_pages, logits, self._tables = forward(*args)
-        return logits
+        self.kv_pages, logits, self._tables, tokens, prev_tokens = forward(*args)
+        return logits, tokens, prev_tokens
 
     def forward_program(self, b: StepBatch) -> tuple[Any, tuple]:
         """The jitted forward program of a one-step batch and its arguments, as ``forward`` calls it
-        (``-> (kv_pages, logits, tables)``, KV pages and tables donated; the batch's ``table_writes``
-        must be applied first)."""
+        (``-> (kv_pages, logits, tables, tokens, prev_tokens)``, KV pages and tables donated; the
+        batch's ``table_writes`` must be applied first)."""
         m = self._step_model
         packed, layout = self._packed_inputs(b)
         return _jit_step(self._mesh), (m.statics, layout, m.leaves, self.kv_pages, packed, self._tables,
@@ -858,9 +907,10 @@ class ModelRunner:
 
     def precompile(self, sampler_flags: tuple[SamplerFlags, ...] = PRECOMPILED_SAMPLERS, num_steps: int = 1) -> int:
         """Compile the forward program of every token bucket and the sampler of every row bucket for
-        each of ``sampler_flags`` (with ``num_steps`` > 1 also the multi-step program of every bucket
-        a decode batch can use), by running them on all-padding inputs (no KV slot is written), so
-        that serving never waits for a compile of these shapes. Returns how many programs that was.
+        each of ``sampler_flags`` but plain greedy, which the forward samples (with ``num_steps`` > 1
+        also the multi-step program of every bucket a decode batch can use), by running them on
+        all-padding inputs (no KV slot is written), so that serving never waits for a compile of these
+        shapes. Returns how many programs that was.
 
         Only for backends that take full-width block tables: the XLA backend's programs also vary
         with the context and prefill-tile buckets, too many to compile ahead."""
@@ -881,11 +931,13 @@ class ModelRunner:
                 batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
                                   self.max_blocks_per_seq, np.full((3, R_b), _NO_ROW, np.int32), [],
                                   np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
-                                  sampling, empty, empty, 0, flags)
+                                  sampling, empty, empty, 0, flags,
+                                  greedy_in_forward=self.greedy_in_forward(flags, 1, 0))
                 self.collect(self.run_batch(batch))
                 if num_steps > 1 and T_b <= self.token_bucket(self.max_num_seqs):
                     self.collect(self.run_batch(dataclasses.replace(batch, num_steps=num_steps, programs_known=False,
-                                                                    row_steps=np.zeros(R_b, np.int32))))
+                                                                    row_steps=np.zeros(R_b, np.int32),
+                                                                    greedy_in_forward=False)))
         return self.num_compiled_programs - before
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -253,8 +253,9 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
     return x.reshape(R, B, L)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` (first maximum) through block maxima: a fraction of its cost on CPU."""
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (first maximum) through block maxima: a fraction of its cost on CPU. The
+    tokens ``sample`` draws with ``SamplerFlags()`` (greedy, nothing else)."""
     blocks = _blocks(x, -jnp.inf)
     L = blocks.shape[2]
     b = jnp.argmax(blocks.max(-1), -1)
@@ -352,7 +353,7 @@ def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> Sampl
     """One token per row of ``logits[R, V]`` (float32)."""
     raw = logits
     x = process_logits(raw, st, flags)
-    tokens = _argmax(x)
+    tokens = argmax(x)
     if not flags.all_greedy:
         tokens = jnp.where(st.temperature > 0, _draw(x, st, flags.top_k_top_p), tokens)
     R = raw.shape[0]
