@@ -5,7 +5,8 @@ The trace (Perfetto / TensorBoard format, kept under ``--trace-dir``) names ever
 HLO instruction name; the compiled HLO of the step and sampler programs that ran maps those names
 to kinds: the native matmul, attention and KV-write kernels, the forward's other XLA ops (norms,
 RoPE, SiLU, residual adds, embedding gather: with the native CPU kernels, the norms, RoPE and SiLU are
-native kernels of their own), the sampler's. The device's busy time is the union of
+native kernels of their own), the sampler's (the sampler program's, and the forward's own argmax of
+plain greedy steps: its ops carry the forward's "sampler" name scope). The device's busy time is the union of
 the programs' executions; the rest of the wall time is host work the device waited for.
 
 Then the same workload runs once more with synchronous steps (each step launched, waited for and
@@ -35,6 +36,7 @@ from benchmarks.workload import synthetic
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 _TARGET = re.compile(r'custom_call_target="(\w+)"')
+_SAMPLER_SCOPE = re.compile(r'op_name="[^"]*/sampler/')   # the forward's own argmax (plain greedy steps)
 _LAYER_OPS = "norms, RoPE, SiLU (native)"
 _OTHER = "other XLA ops of the forward (gathers, slices; norms, RoPE, SiLU, adds if not native)"
 _TARGET_KINDS = (("matmul", "matmul (native)"), ("attention", "attention (native)"), ("write_kv", "KV write (native)"),
@@ -50,7 +52,8 @@ def _op_kinds(hlo_text: str, default: str) -> dict[str, str]:
         if m:
             target = _TARGET.search(line)
             target = target.group(1) if target else ""
-            kinds[m.group(1)] = next((k for t, k in _TARGET_KINDS if t in target), default)
+            kind = next((k for t, k in _TARGET_KINDS if t in target), None)
+            kinds[m.group(1)] = kind or ("sampler" if _SAMPLER_SCOPE.search(line) else default)
     return kinds
 
 
@@ -124,9 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
         program, call_args = runner.forward_program(b)
         forward = program.lower(*call_args)
         forwards.append(forward.compile().as_text())
-        sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
-                                  num_token_slots=runner.max_rows).compile().as_text()
-        kinds.update(_op_kinds(sampler, "sampler"))
+        if not b.greedy_in_forward:     # else the forward sampled: no sampler program ran
+            sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
+                                      num_token_slots=runner.max_rows).compile().as_text()
+            kinds.update(_op_kinds(sampler, "sampler"))
     for text in forwards:  # a name in both programs counts as the forward's, by far the larger
         kinds.update(_op_kinds(text, _OTHER))
 
