@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.request import Request
-from jaxpaged.sampler import SamplerFlags, SamplerOutput, SamplingTensors, argmax, prompt_logprobs, sample
+from jaxpaged.sampler import (SamplerFlags, SamplerOutput, SamplingTensors, argmax, no_logprobs, prompt_logprobs,
+                              sample)
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence_slots import SequenceSlots
@@ -413,9 +414,8 @@ def _jit_steps(mesh):
 
 @functools.cache
 def _no_logprobs(rows: int) -> tuple[np.ndarray, ...]:
-    """The logprob fields of a ``SamplerOutput`` of ``rows`` rows that computed none (as ``sample`` leaves them)."""
-    return (np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros((rows, 0), np.int32),
-            np.zeros((rows, 0), np.float32))
+    """``sampler.no_logprobs`` on the host, built once per row count (a greedy step's output takes them)."""
+    return no_logprobs(rows, np)
 
 
 def _padded(values: np.ndarray, size: int, fill) -> np.ndarray:

@@ -349,6 +349,13 @@ def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) 
     return x
 
 
+def no_logprobs(rows: int, xp=jnp) -> tuple:
+    """The logprob fields (logprobs, ranks, top ids, top logprobs) of a ``SamplerOutput`` of ``rows``
+    rows that computed none, as ``xp`` arrays (``jnp``, or ``numpy`` for an output built on the host)."""
+    return (xp.zeros(0, xp.float32), xp.zeros(0, xp.int32), xp.zeros((rows, 0), xp.int32),
+            xp.zeros((rows, 0), xp.float32))
+
+
 def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
     """One token per row of ``logits[R, V]`` (float32)."""
     raw = logits
@@ -356,14 +363,13 @@ def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> Sampl
     tokens = argmax(x)
     if not flags.all_greedy:
         tokens = jnp.where(st.temperature > 0, _draw(x, st, flags.top_k_top_p), tokens)
-    R = raw.shape[0]
-    no_top = (jnp.zeros(0, jnp.int32), jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32))
+    empty = no_logprobs(raw.shape[0])
     if not flags.chosen_logprobs and flags.num_logprobs < 0:
-        return SamplerOutput(tokens, jnp.zeros(0, jnp.float32), *no_top)
+        return SamplerOutput(tokens, *empty)
     lse = _logsumexp(raw)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0] - lse
     if flags.num_logprobs < 0:
-        return SamplerOutput(tokens, logprobs, *no_top)
+        return SamplerOutput(tokens, logprobs, *empty[1:])
     ranks, top_ids, top_lps = _top_logprobs(raw, lse, tokens, flags.num_logprobs)
     return SamplerOutput(tokens, logprobs, ranks, top_ids, top_lps)
 
