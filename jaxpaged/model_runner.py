@@ -83,8 +83,12 @@ class StepBatch:
 
     input_ids: np.ndarray
     positions: np.ndarray
+    token_rows: np.ndarray
+    """[T_b] each token's row (padding tokens: -1). The step program derives each token's KV slot from
+    its row's block table and its position, so a decode step of the same rows sends no slots."""
     md: AttentionMetadata
-    """Its ``block_tables`` is None: the rows' tables are read from the runner's device copy."""
+    """Its ``slot_mapping`` and ``block_tables`` are None: the program derives the one (``token_rows``)
+    and reads the rows' tables from the runner's device copy."""
     table_rows: np.ndarray
     """[R_b] each row's row of the device block tables (padding rows: 0)."""
     table_width: int
@@ -170,7 +174,7 @@ def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=N
     # of its own, ~5 us each once the device step has evicted the host's caches. The block tables
     # are updated here too (donated): a program of their own cost a dispatch, ~0.06 ms a step at 256 rows.
     input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables = _unpack_inputs(
-        packed, layout, tables)
+        packed, layout, tables, kv_pages.shape[3])
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -193,13 +197,13 @@ def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=N
     return kv_pages, logits, tables, tokens, prev_tokens
 
 
-_MD_ARRAYS = ("slot_mapping", "seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
+_MD_ARRAYS = ("seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
 
 
 @dataclass(frozen=True)
 class _InputLayout:
-    """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions,
-    the metadata arrays but the block tables (``_MD_ARRAYS``), the rows' block-table rows,
+    """The shapes of a step's int32 inputs in the packed array, in order: input_ids, positions, token_rows,
+    the metadata arrays but the KV slots and block tables (``_MD_ARRAYS``), the rows' block-table rows,
     logits_indices, prev_index, num_logits, greedy (1: the forward samples), the block-table writes.
     Static: part of the program's key, with the metadata's tile size and the block-table columns read."""
 
@@ -208,7 +212,7 @@ class _InputLayout:
     table_width: int
 
 
-def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_width, prev_index=None,
+def _pack_inputs(input_ids, positions, token_rows, md, logits_indices, table_rows, table_width, prev_index=None,
                  num_logits=None, table_writes=None, greedy=False):
     """The step's int32 inputs as one flat host array, and its layout. The block tables go apart
     (``_unpack_inputs`` applies ``table_writes`` to them, then reads rows ``table_rows``). No
@@ -220,7 +224,7 @@ def _pack_inputs(input_ids, positions, md, logits_indices, table_rows, table_wid
         num_logits = np.shape(logits_indices)[0]
     if table_writes is None:
         table_writes = np.full((3, 0), _NO_ROW, np.int32)
-    arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, *(getattr(md, f) for f in _MD_ARRAYS),
+    arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, token_rows, *(getattr(md, f) for f in _MD_ARRAYS),
                                                   table_rows, logits_indices, prev_index, num_logits,
                                                   np.int32(greedy)[None], table_writes)]
     return (np.concatenate([a.ravel() for a in arrays]),
@@ -241,18 +245,21 @@ def _replaced(obj, **changes):
     return new
 
 
-def _unpack_inputs(packed, layout: _InputLayout, tables):
+def _unpack_inputs(packed, layout: _InputLayout, tables, block_size: int):
     """``_pack_inputs`` undone inside the program: static slices of the packed array, the writes
-    applied to ``tables`` (returned), and the rows' block tables gathered from them."""
+    applied to ``tables`` (returned), the rows' block tables gathered from them, and each token's KV
+    slot looked up in its row's table (``PAD_SLOT`` for padding tokens)."""
     arrays, at = [], 0
     for shape in layout.shapes:
         size = math.prod(shape)
         arrays.append(packed[at:at + size].reshape(shape))
         at += size
-    input_ids, positions, *md_arrays, table_rows, logits_indices, prev_index, num_logits, greedy, writes = arrays
+    input_ids, positions, token_rows, *md_arrays, table_rows, logits_indices, prev_index, num_logits, greedy, writes = arrays
     tables = _write_tables(tables, writes)
-    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), block_tables=tables[table_rows, :layout.table_width],
-                           tile_size=layout.tile_size)
+    block_tables = tables[table_rows, :layout.table_width]
+    slots = block_tables[jnp.maximum(token_rows, 0), positions // block_size] * block_size + positions % block_size
+    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), slot_mapping=jnp.where(token_rows >= 0, slots, PAD_SLOT),
+                           block_tables=block_tables, tile_size=layout.tile_size)
     return input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables
 
 
@@ -287,10 +294,14 @@ def _jit_table_writes(mesh):
 def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
                prev_tokens=None, num_logits=None):
     """The jitted step and its arguments (``md.block_tables`` is the rows' tables, copied: the step
-    donates its tables)."""
+    donates its tables; the rows' tokens are given by ``md.query_start_loc``)."""
     m = StepModel.of(module, params)
     R, W = np.shape(md.block_tables)
-    packed, layout = _pack_inputs(input_ids, positions, md, logits_indices, np.arange(R), W, prev_index, num_logits)
+    qsl = np.asarray(md.query_start_loc)
+    token_rows = np.full(np.shape(input_ids)[0], -1, np.int32)
+    token_rows[:qsl[R]] = np.repeat(np.arange(R), np.diff(qsl[:R + 1]))
+    packed, layout = _pack_inputs(input_ids, positions, token_rows, md, logits_indices, np.arange(R), W, prev_index,
+                                  num_logits)
     return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed,
                                                       jnp.array(md.block_tables, jnp.int32), prev_tokens)
 
@@ -298,7 +309,8 @@ def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indice
 def step_fn(*args, **kwargs):
     """``step_fn(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
     prev_tokens=None, num_logits=None) -> (kv_pages, logits)``: the model part of the step, forward
-    over the ragged batch, KV written in place, logits out.
+    over the ragged batch, KV written in place, logits out. Each token's KV slot is looked up in its
+    row's ``md.block_tables`` at its position (``md.slot_mapping`` is not read).
 
     Module-level (the Flax module is part of a static argument, and carries its device mesh under
     tensor parallelism) so engines with the same model share compiled programs. ``params`` is the
@@ -374,11 +386,12 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
     the next step's in-flight token array, as ``sample_fn`` does for one step. The same per-step
     arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
     step would."""
-    input_ids, positions, md, logits_indices, prev_index, num_logits, _, tables = _unpack_inputs(packed, layout, tables)
+    bs = kv_pages.shape[3]
+    input_ids, positions, md, logits_indices, prev_index, num_logits, _, tables = _unpack_inputs(packed, layout, tables,
+                                                                                                 bs)
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     T, S = input_ids.shape[0], sampling.temperature.shape[0]
-    bs = kv_pages.shape[3]
     last = jnp.maximum(row_steps - 1, 0)                  # [R_b]; a decode row's token has its row's index
     tok_last = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(last)
     tok_steps = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(row_steps)
@@ -555,7 +568,7 @@ class ModelRunner:
         positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
         input_ids, prev_index = self._token_ids(reqs, slots, starts, n, out.num_host_tokens, qsl, T_b)
         table_rows = _padded(slots_state.device_rows(slots), R_b, 0)
-        slot_mapping = self._slot_mapping(slots[row_of_tok], positions[:T], T_b)
+        token_rows = _padded(row_of_tok, T_b, -1)
         seq_lens_b = _padded(seq_lens, R_b, 0)
         if self.gathers_pages:
             tile = min(PREFILL_TILE, T_b)
@@ -564,7 +577,7 @@ class ModelRunner:
             tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
         else:
             tile, (tile_row, tile_start, tile_len) = 1, (np.zeros(0, np.int32),) * 3
-        md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=None, seq_lens=seq_lens_b,
+        md = AttentionMetadata(slot_mapping=None, block_tables=None, seq_lens=seq_lens_b,
                                query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
                                tile_len=tile_len, tile_size=tile)
         prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(
@@ -591,7 +604,7 @@ class ModelRunner:
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
         step_writes = np.empty((3, R_b), np.int32)
         table_writes = self._table_writes(step_writes)
-        b = StepBatch(input_ids, positions, md, table_rows, W_b, step_writes, table_writes, logits_indices,
+        b = StepBatch(input_ids, positions, token_rows, md, table_rows, W_b, step_writes, table_writes, logits_indices,
                       prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps,
                       greedy_in_forward=self.greedy_in_forward(flags, out.num_steps, NP_b))
         # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
@@ -606,24 +619,20 @@ class ModelRunner:
         flight, every block-table change since an appended block: the rows' layout (query starts,
         logits rows, in-flight token rows, table rows, prompt positions: none) is ``last``'s, and each
         row's position moved by the tokens it computed in ``last`` (1, or its steps in a group). So
-        the packed inputs are ``last``'s with positions, sequence lengths and KV slots advanced by
-        that much, the slots of the rows that entered a new block looked up, and this step's table
-        writes: ~15 numpy operations instead of ~65 (each costs several microseconds once the device
-        step has evicted the host's caches). ``last_sample_row`` already holds each row's own index.
+        the packed inputs are ``last``'s with positions and sequence lengths advanced by that much
+        (the program looks each token's KV slot up in its row's table, so a row entering a new block
+        costs the host nothing) and this step's table writes: ~10 numpy operations instead of ~65
+        (each costs 10-50 us once the device step has evicted the host's caches, measured).
+        ``last_sample_row`` already holds each row's own index.
         Either step may be a multi-step group (prepared as its first decode step, its rows' steps
         going along)."""
-        R, T_b, R_b, bs = len(slots), last.input_ids.shape[0], last.table_rows.shape[0], self.block_size
+        R, T_b, R_b = len(slots), last.input_ids.shape[0], last.table_rows.shape[0]
         packed, layout = self._packed_inputs(last)
-        _, at_pos, at_slot, at_len, *_, at_greedy, at_writes = _offsets(layout.shapes)
+        _, at_pos, _, at_len, *_, at_greedy, at_writes = _offsets(layout.shapes)
         moved = 1 if last.num_steps == 1 else last.row_steps[:R]
         packed = packed.copy()
-        for at in (at_pos, at_slot, at_len):
+        for at in (at_pos, at_len):
             packed[at:at + R] += moved
-        positions = packed[at_pos:at_pos + R]
-        entered = np.flatnonzero(positions % bs < moved)       # a new block (more steps than a block: always)
-        if len(entered):
-            p = positions[entered]
-            packed[at_slot + entered] = self.slots.block_tables[slots[entered], p // bs] * bs + p % bs
         seq_lens = packed[at_len:at_len + R_b]
         step_writes = packed[at_writes:at_writes + 3 * R_b].reshape(3, R_b)
         table_writes = self._table_writes(step_writes)
@@ -632,7 +641,7 @@ class ModelRunner:
         if width != layout.table_width:
             layout = _InputLayout(layout.shapes, layout.tile_size, width)
         sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
-        md = _replaced(last.md, slot_mapping=packed[at_slot:at_slot + T_b], seq_lens=seq_lens)
+        md = _replaced(last.md, seq_lens=seq_lens)
         # The programs' keys are the last batch's but for these (its penalty and bias lists may change).
         same_programs = (width == last.table_width and flags is last.flags and out.num_steps == last.num_steps
                          and sampling.penalty_rows.shape == last.sampling.penalty_rows.shape
@@ -667,13 +676,6 @@ class ModelRunner:
             return self.max_blocks_per_seq
         longest = int(seq_lens.max()) + (0 if row_steps is None else int(row_steps.max()) - 1)
         return _bucket(-(-longest // self.block_size), self.max_blocks_per_seq, floor=MIN_CONTEXT // self.block_size)
-
-    def _slot_mapping(self, slot_of_token: np.ndarray, positions: np.ndarray, T_b: int) -> np.ndarray:
-        """Each token's KV slot (block id * block size + offset), padded to ``T_b`` with ``PAD_SLOT``."""
-        bs = self.block_size
-        slot_mapping = np.full(T_b, PAD_SLOT, np.int32)
-        slot_mapping[:len(positions)] = self.slots.block_tables[slot_of_token, positions // bs] * bs + positions % bs
-        return slot_mapping
 
     def _table_writes(self, step: np.ndarray) -> list[np.ndarray]:
         """The queued device block-table writes: up to ``size`` of them into ``step`` (``[3, size]``, for
@@ -863,7 +865,8 @@ class ModelRunner:
     def _packed_inputs(b: StepBatch) -> tuple[np.ndarray, _InputLayout]:
         """``b.packed``, built on first use."""
         if b.packed is None:
-            b.packed = _pack_inputs(b.input_ids, b.positions, b.md, b.logits_indices, b.table_rows, b.table_width,
+            b.packed = _pack_inputs(b.input_ids, b.positions, b.token_rows, b.md, b.logits_indices, b.table_rows,
+                                    b.table_width,
                                     b.prev_index, np.int32(b.num_logits), b.step_table_writes, b.greedy_in_forward)
         return b.packed
 
@@ -924,12 +927,13 @@ class ModelRunner:
         empty = np.zeros(0, np.int32)
         for T_b in self.token_buckets:
             R_b = self.row_bucket(T_b)
-            md = AttentionMetadata(slot_mapping=np.full(T_b, PAD_SLOT, np.int32), block_tables=None,
+            md = AttentionMetadata(slot_mapping=None, block_tables=None,
                                    seq_lens=np.zeros(R_b, np.int32), query_start_loc=np.zeros(R_b + 1, np.int32),
                                    tile_row=empty, tile_start=empty, tile_len=empty, tile_size=1)
             sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
-                batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), md, np.zeros(R_b, np.int32),
+                batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), np.full(T_b, -1, np.int32), md,
+                                  np.zeros(R_b, np.int32),
                                   self.max_blocks_per_seq, np.full((3, R_b), _NO_ROW, np.int32), [],
                                   np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
                                   sampling, empty, empty, 0, flags,

@@ -178,8 +178,9 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
 
     def leaves(b):
         import jax
-        return [np.asarray(x) for x in jax.tree_util.tree_leaves((b.input_ids, b.positions, b.md, b.table_rows,
-                                                                  b.logits_indices, b.prev_index, b.sampling))]
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves((b.input_ids, b.positions, b.token_rows, b.md,
+                                                                  b.table_rows, b.logits_indices, b.prev_index,
+                                                                  b.sampling))]
 
     engine = _engine(path, num_gpu_blocks_override=num_blocks, num_scheduler_steps=num_steps)
     runner = engine.runner
@@ -226,6 +227,47 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
     assert len(steady) > 10 / num_steps and (engine.scheduler.num_preemptions > 0) == (num_blocks == 14)
     assert any(groups) == (num_steps > 1)
     assert got == _run(_engine(path, num_gpu_blocks_override=num_blocks, async_scheduling=False), workload)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, preemption_mode):
+    """The host sends each token's row, not its KV slot: the step program looks the slot up in the row's
+    device block table at the token's position. Over chunked prefill, prefix hits, forks (copy on write),
+    preemption and steady decode steps (which advance the last step's inputs and send no slots at all),
+    every token's slot is the one its request's own block table gives, and padding tokens write nothing."""
+    import jax
+
+    from jaxpaged import model_runner
+    from pallas_kernels import PAD_SLOT
+
+    path, hf = tiny
+    engine = _engine(path, preemption_mode=preemption_mode, swap_space=1 << 20, num_gpu_blocks_override=20)
+    runner, bs = engine.runner, engine.cache_info.block_size
+    unpack = jax.jit(model_runner._unpack_inputs, static_argnums=(1, 3))
+    prepare, forward, next_steady = runner.prepare, runner.forward, runner._next_steady_batch
+    tables, steady, checked = {}, [], []
+
+    def recorded_prepare(out):
+        b = prepare(out)
+        tables[id(b)] = [list(r.block_ids) for r in out.requests]
+        return b
+
+    def counted_next_steady(*args):
+        steady.append(True)
+        return next_steady(*args)
+
+    def checked_forward(b):
+        packed, layout = model_runner.ModelRunner._packed_inputs(b)
+        md = unpack(packed, layout, jax.numpy.array(runner._tables), bs)[2]
+        want = [PAD_SLOT if r < 0 else tables[id(b)][r][p // bs] * bs + p % bs
+                for r, p in zip(b.token_rows.tolist(), b.positions.tolist())]
+        assert b.md.slot_mapping is None and np.asarray(md.slot_mapping).tolist() == want
+        checked.append((b.token_rows >= 0).sum())
+        return forward(b)
+
+    runner.prepare, runner.forward, runner._next_steady_batch = recorded_prepare, checked_forward, counted_next_steady
+    _run(engine, _workload(hf.config.vocab_size))
+    assert len(steady) > 5 and max(checked) > len(steady) and engine.scheduler.num_preemptions > 0
 
 
 def test_steady_steps_register_a_new_context_bucket(tiny):
