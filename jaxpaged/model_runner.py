@@ -245,6 +245,13 @@ def _replaced(obj, **changes):
     return new
 
 
+def _kv_slots(block_tables, rows, positions, block_size: int, valid):
+    """Each token's KV slot: its row's block table at its position (block id * block size + offset);
+    ``PAD_SLOT`` (nothing written) where not ``valid``."""
+    slots = block_tables[jnp.maximum(rows, 0), positions // block_size] * block_size + positions % block_size
+    return jnp.where(valid, slots, PAD_SLOT)
+
+
 def _unpack_inputs(packed, layout: _InputLayout, tables, block_size: int):
     """``_pack_inputs`` undone inside the program: static slices of the packed array, the writes
     applied to ``tables`` (returned), the rows' block tables gathered from them, and each token's KV
@@ -257,8 +264,8 @@ def _unpack_inputs(packed, layout: _InputLayout, tables, block_size: int):
     input_ids, positions, token_rows, *md_arrays, table_rows, logits_indices, prev_index, num_logits, greedy, writes = arrays
     tables = _write_tables(tables, writes)
     block_tables = tables[table_rows, :layout.table_width]
-    slots = block_tables[jnp.maximum(token_rows, 0), positions // block_size] * block_size + positions % block_size
-    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)), slot_mapping=jnp.where(token_rows >= 0, slots, PAD_SLOT),
+    md = AttentionMetadata(**dict(zip(_MD_ARRAYS, md_arrays)),
+                           slot_mapping=_kv_slots(block_tables, token_rows, positions, block_size, token_rows >= 0),
                            block_tables=block_tables, tile_size=layout.tile_size)
     return input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables
 
@@ -401,8 +408,8 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
         kv_pages, ids = carry
         active = jnp.sum(row_steps > i)                   # the leading rows that still step
         pos = positions + jnp.minimum(i, tok_last)
-        slot = jnp.where(i < tok_steps, md.block_tables[tok_row, pos // bs] * bs + pos % bs, PAD_SLOT)
-        step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=jnp.where(i < row_steps, md.seq_lens + i, 0),
+        step_md = dataclasses.replace(md, slot_mapping=_kv_slots(md.block_tables, tok_row, pos, bs, i < tok_steps),
+                                      seq_lens=jnp.where(i < row_steps, md.seq_lens + i, 0),
                                       query_start_loc=jnp.minimum(md.query_start_loc, active))
         logits, kv_pages = statics.module.apply({"params": params}, ids, pos, kv_pages, step_md, logits_indices,
                                                 jnp.minimum(num_logits, active))
