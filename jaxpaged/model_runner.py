@@ -305,8 +305,7 @@ def _step_call(module, params, kv_pages, input_ids, positions, md, logits_indice
     m = StepModel.of(module, params)
     R, W = np.shape(md.block_tables)
     qsl = np.asarray(md.query_start_loc)
-    token_rows = np.full(np.shape(input_ids)[0], -1, np.int32)
-    token_rows[:qsl[R]] = np.repeat(np.arange(R), np.diff(qsl[:R + 1]))
+    token_rows = _padded(np.repeat(np.arange(R), np.diff(qsl[:R + 1])), np.shape(input_ids)[0], -1)
     packed, layout = _pack_inputs(input_ids, positions, token_rows, md, logits_indices, np.arange(R), W, prev_index,
                                   num_logits)
     return _jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed,
@@ -873,8 +872,8 @@ class ModelRunner:
         """``b.packed``, built on first use."""
         if b.packed is None:
             b.packed = _pack_inputs(b.input_ids, b.positions, b.token_rows, b.md, b.logits_indices, b.table_rows,
-                                    b.table_width,
-                                    b.prev_index, np.int32(b.num_logits), b.step_table_writes, b.greedy_in_forward)
+                                    b.table_width, b.prev_index, np.int32(b.num_logits), b.step_table_writes,
+                                    b.greedy_in_forward)
         return b.packed
 
     def forward(self, b: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -940,8 +939,8 @@ class ModelRunner:
             sampling, _ = self._sampling_tensors([], empty, empty, R_b, [])
             for flags in sampler_flags:
                 batch = StepBatch(np.zeros(T_b, np.int32), np.zeros(T_b, np.int32), np.full(T_b, -1, np.int32), md,
-                                  np.zeros(R_b, np.int32),
-                                  self.max_blocks_per_seq, np.full((3, R_b), _NO_ROW, np.int32), [],
+                                  np.zeros(R_b, np.int32), self.max_blocks_per_seq,
+                                  np.full((3, R_b), _NO_ROW, np.int32), [],
                                   np.zeros(R_b, np.int32), np.full(T_b, -1, np.int32),
                                   sampling, empty, empty, 0, flags,
                                   greedy_in_forward=self.greedy_in_forward(flags, 1, 0))

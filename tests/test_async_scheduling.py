@@ -270,6 +270,43 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
     assert len(steady) > 5 and max(checked) > len(steady) and engine.scheduler.num_preemptions > 0
 
 
+def test_step_fn_writes_each_token_at_the_slot_its_rows_block_table_gives(tiny):
+    """``step_fn`` (the forward alone, given the rows' block tables) takes each token's row from the
+    query starts: the K/V it writes land exactly in the slots the rows' tables give at the tokens'
+    positions (a prompt chunk, a decode token, a chunk crossing into a second block), and the padding
+    tokens after them write nothing."""
+    import jax.numpy as jnp
+
+    from jaxpaged.model_runner import step_fn
+    from pallas_kernels import AttentionMetadata, build_prefill_tiles
+
+    path, _ = tiny
+    runner = _engine(path, max_num_seqs=4).runner
+    bs, T, R = runner.block_size, 16, 4
+    tables = np.zeros((R, runner.max_blocks_per_seq), np.int32)
+    tables[0, :2], tables[1, :3], tables[2, :2] = [3, 9], [5, 12, 30], [20, 7]
+    spans = [(0, 5), (9, 1), (2, 4)]                  # (first position, tokens) of rows 0-2; row 3 is padding
+    positions = np.zeros(T, np.int32)
+    qsl = np.full(R + 1, sum(n for _, n in spans), np.int32)
+    qsl[0] = 0
+    for r, (p, n) in enumerate(spans):
+        qsl[r + 1] = qsl[r] + n
+        positions[qsl[r]:qsl[r + 1]] = np.arange(p, p + n)
+    if runner.gathers_pages:
+        tile = 16
+        tile_arrays = build_prefill_tiles(qsl, tile, 4)
+    else:
+        tile, tile_arrays = 1, (np.zeros(0, np.int32),) * 3
+    seq_lens = np.array([p + n for p, n in spans] + [0], np.int32)
+    md = AttentionMetadata(None, tables, seq_lens, qsl, *tile_arrays, tile)
+    kv, _ = step_fn(runner.model.module, runner.model.params, jnp.zeros_like(runner.kv_pages),
+                    np.arange(3, 3 + T, dtype=np.int32), positions, md, qsl[1:] - 1)
+    kv = np.asarray(kv)                               # [layer, K/V, block, offset, head, dim]
+    written = {b * bs + o for b, o in zip(*np.nonzero(np.abs(kv).sum(axis=(0, 1, 4, 5))))}
+    want = {int(tables[r, q // bs]) * bs + q % bs for r, (p, n) in enumerate(spans) for q in range(p, p + n)}
+    assert written == want
+
+
 def test_steady_steps_register_a_new_context_bucket(tiny):
     """A steady decode step whose sequences grow into the next context bucket (the XLA attention
     backend reads a power-of-two number of block-table columns, from 256 tokens' worth, or all) uses
