@@ -1,19 +1,23 @@
 """The runner's persistent batch: per-sequence rows of step inputs, kept across steps.
 
 Every sequence the runner has seen and not yet released holds a slot: a row of numpy arrays
-(its block table, its sampling parameters, the row it last sampled at) written when the
-sequence arrives or its blocks change and gathered by slot each step, so building a step's
-arrays costs no Python work per sequence and parameter.
+(its sampling parameters, the row it last sampled at) written when the sequence arrives and
+gathered by slot each step, so building a step's arrays costs no Python work per sequence and
+parameter.
 
-The block tables also live on the device, as vLLM keeps them on the GPU: a fixed number of
-device rows, one per sequence a step runs, updated by the entries that changed (a decode step
-opening its next block changes one entry of its row). The step reads its rows' tables there,
-so the host sends a row index per sequence instead of ``max_model_len / block_size`` entries
-(1024 at SmolLM2's 8192 positions and block size 8). Pure numpy: the runner owns the device
-array and applies the writes this module queues (``take_table_writes``).
+The block tables live on the device, as vLLM keeps them on the GPU: a fixed number of device
+rows, one per sequence a step runs, updated by the entries that changed (a decode step opening
+its next block changes one entry of its row). The step reads its rows' tables there, so the
+host sends a row index per sequence instead of ``max_model_len / block_size`` entries (1024 at
+SmolLM2's 8192 positions and block size 8). The host keeps no copy: only each table's length
+as last reported (to tell a growth from a replacement); a whole table, written to a newly lent
+row, is read from its request. Pure numpy: the runner owns the device array and applies the
+writes this module queues (``take_table_writes``).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -35,12 +39,15 @@ class SequenceSlots:
     """
 
     def __init__(self, max_blocks_per_seq: int, capacity: int = 64, num_device_rows: int = 0) -> None:
+        self._max_blocks = max_blocks_per_seq
         self._slot: dict[str, int] = {}
+        self._owner: list[Request | None] = [None] * capacity
+        """The request holding each slot: its ``block_ids`` are the table a newly lent row gets."""
+        self.num_blocks = [0] * capacity
+        """Each slot's table length as last reported (its device row holds that many entries)."""
         self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
         """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
         self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
-        self.block_tables = np.zeros((capacity, max_blocks_per_seq), np.int32)
-        self.num_blocks = np.zeros(capacity, np.int32)
         self.device_row = np.full(capacity, -1, np.int32)
         """The slot's row of the device block tables (-1: none)."""
         self.temperature = np.zeros(capacity, np.float32)
@@ -78,6 +85,8 @@ class SequenceSlots:
                 grown[:old] = a
                 setattr(self, name, grown)
         self._free.extend(range(2 * old - 1, old - 1, -1))
+        self._owner += [None] * old
+        self.num_blocks += [0] * old
 
     def slot(self, r: Request) -> int:
         """The request's slot, filling a new one from the request if it has none."""
@@ -88,6 +97,8 @@ class SequenceSlots:
             self._grow()
         s = self._free.pop()
         self._slot[r.request_id] = s
+        self._owner[s] = r
+        self.num_blocks[s] = len(r.block_ids)
         sp = r.sampling_params
         self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
             sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p)
@@ -100,7 +111,6 @@ class SequenceSlots:
         self.prompt_logprobs[s] = r.prompt_logprobs is not None
         self.last_sample_row[s] = -1
         self.device_row[s] = -1
-        self.write_table(s, r.block_ids)
         return s
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
@@ -111,38 +121,29 @@ class SequenceSlots:
             self._last = list(reqs), np.fromiter(map(self.slot, reqs), np.int32, len(reqs))
         return self._last[1]
 
-    def write_table(self, s: int, block_ids: list[int]) -> None:
-        n, old = len(block_ids), self.num_blocks[s]
-        self.block_tables[s, :n] = block_ids
-        if old > n:
-            self.block_tables[s, n:old] = 0
-        self.num_blocks[s] = n
-        d = self.device_row[s]
-        if d >= 0 and n:
-            self._queue_rows(np.array([s]), np.array([d]))
-
     def update(self, changed: list[TableChange], released: list[str]) -> bool:
-        """Forget released sequences; copy the changed block tables of the ones with slots. A table
-        grown by appended blocks (a decode step opening its next block, the common change) costs
-        their entries in a single scatter for all of them, on the host and on the device. Returns
-        whether every change of a sequence with a slot was such a growth (no block it held replaced)."""
+        """Forget released sequences; queue the device writes of the changed block tables of the ones
+        with slots. A table grown by appended blocks (a decode step opening its next block, the common
+        change) costs their entries, one array for all of them; another change rewrites the whole
+        table if the sequence holds a device row. Returns whether every change of a sequence with a
+        slot was such a growth (no block it held replaced)."""
         for rid in released:
             s = self._slot.pop(rid, None)
             if s is not None:
                 self._free.append(s)
+                self._owner[s] = None
                 self._drop_row(s)
-        rows, cols, ids, grown, lengths = [], [], [], [], []
-        num_blocks = self.num_blocks
-        appended = True
+        rows, cols, ids, replaced = [], [], [], []
+        num_blocks, slot_of = self.num_blocks, self._slot
         for r, first in changed:
-            s = self._slot.get(r.request_id)
+            s = slot_of.get(r.request_id)
             if s is None:
                 continue
             block_ids = r.block_ids
             n = len(block_ids)
             if n > first == num_blocks[s]:
-                # Entries appended to the copy's table (a decode step opens one; a multi-step
-                # group of more steps than a block holds, several).
+                # Entries appended (a decode step opens one; a multi-step group of more steps
+                # than a block holds, several).
                 if n == first + 1:
                     rows.append(s)
                     cols.append(first)
@@ -151,21 +152,21 @@ class SequenceSlots:
                     rows += [s] * (n - first)
                     cols += range(first, n)
                     ids += block_ids[first:]
-                grown.append(s)
-                lengths.append(n)
             else:
-                self.write_table(s, block_ids)
-                appended = False
+                replaced.append(s)
+            num_blocks[s] = n
         if rows:
-            self.block_tables[rows, cols] = ids
-            num_blocks[grown] = lengths
-            d = self.device_row[rows]
-            held = d >= 0
+            w = np.array([rows, cols, ids], np.int32)
+            w[0] = self.device_row[w[0]]
+            held = w[0] >= 0
             if held.all():
-                self._table_writes.append(np.array([d, cols, ids], np.int32))
+                self._table_writes.append(w)
             elif held.any():
-                self._table_writes.append(np.array([d, cols, ids], np.int32)[:, held])
-        return appended
+                self._table_writes.append(w[:, held])
+        if replaced:
+            held = self.device_row[replaced]
+            self._queue_rows(np.array(replaced)[held >= 0], held[held >= 0])
+        return not replaced
 
     def device_rows(self, slots: np.ndarray) -> np.ndarray:
         """The device rows of ``slots`` (one step's sequences, distinct), lending a row to each slot
@@ -197,19 +198,20 @@ class SequenceSlots:
         if len(writes) <= 1:
             return writes[0] if writes else None
         w = np.concatenate(writes, axis=1)
-        key = w[0].astype(np.int64) * self.block_tables.shape[1] + w[1]
+        key = w[0].astype(np.int64) * self._max_blocks + w[1]
         _, last = np.unique(key[::-1], return_index=True)
         return w[:, len(key) - 1 - last]
 
     def _queue_rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Queue writes of the slots' whole tables to their device rows."""
-        n = self.num_blocks[slots]
+        """Queue writes of the slots' whole tables (their requests' ``block_ids``) to their device rows."""
+        tables = [self._owner[s].block_ids for s in slots.tolist()]
+        n = np.fromiter(map(len, tables), np.int64, len(tables))
         total = int(n.sum())
         if not total:
             return
-        src = np.repeat(slots, n)
         cols = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
-        self._table_writes.append(np.array([np.repeat(rows, n), cols, self.block_tables[src, cols]], np.int32))
+        ids = np.fromiter(itertools.chain.from_iterable(tables), np.int32, total)
+        self._table_writes.append(np.array([np.repeat(rows, n), cols, ids], np.int32))
 
     def _drop_row(self, s: int) -> None:
         d = self.device_row[s]

@@ -137,23 +137,32 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny):
 
 
 def test_persistent_block_tables_follow_the_requests(tiny):
-    """After every prepare, each scheduled sequence's slot holds exactly its block table, through
-    growth, prefix hits, forks with copy-on-write, preemption and swap."""
+    """Once each step's table writes are taken, every scheduled sequence's device row holds exactly its
+    block table, through growth, prefix hits, forks with copy-on-write, preemption and swap (the
+    writes replayed here into a numpy copy of the device tables)."""
     path, hf = tiny
     engine = _engine(path, preemption_mode="swap", swap_space=1 << 16, num_gpu_blocks_override=24)
     prepare, slots = engine.runner.prepare, engine.runner.slots
-    checked = []
+    take = slots.take_table_writes
+    device = np.zeros(np.shape(engine.runner._tables), np.int32)
+    scheduled, checked = [], []
 
-    def checked_prepare(out):
+    def recorded_prepare(out):
+        scheduled[:] = [(r, list(r.block_ids)) for r in out.requests]     # prepare takes the writes
         batch = prepare(out)
-        for r in out.requests + [c for _, c in out.forks]:
-            s = slots.slot(r)
-            assert slots.num_blocks[s] == len(r.block_ids), r.request_id
-            assert slots.block_tables[s, :len(r.block_ids)].tolist() == r.block_ids, r.request_id
-            assert not slots.block_tables[s, len(r.block_ids):].any(), r.request_id
-        checked.append(len(out.requests))
+        for r in out.requests + [c for _, c in out.forks]:     # a fork's child runs from the next step
+            assert slots.num_blocks[slots.slot(r)] == len(r.block_ids), r.request_id
         return batch
-    engine.runner.prepare = checked_prepare
+
+    def checked_take():
+        writes = take()
+        if writes is not None:
+            device[writes[0], writes[1]] = writes[2]
+        for r, table in scheduled:
+            assert device[slots.device_row[slots.slot(r)], :len(table)].tolist() == table, r.request_id
+        checked.append(len(scheduled))
+        return writes
+    engine.runner.prepare, slots.take_table_writes = recorded_prepare, checked_take
     _run(engine, _workload(hf.config.vocab_size))
     assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
 

@@ -1,8 +1,8 @@
-"""The runner's copies of the block tables (``SequenceSlots``) follow the KV-cache manager's tables
-through every kind of change it reports (growth, copy-on-write, fork, swap, free), whatever the
-order: a stateful random test against the requests' own ``block_ids``. So does the device copy,
-replayed here in numpy from the writes the slots queue, for the sequences a "step" runs, with
-fewer device rows than sequences so that rows are taken from idle sequences and given back."""
+"""The device copy of the block tables, replayed here in numpy from the writes ``SequenceSlots`` queues,
+follows the KV-cache manager's tables through every kind of change it reports (growth, copy-on-write,
+fork, swap, free), whatever the order: a stateful random test against the requests' own ``block_ids``,
+for every sequence holding a device row, with fewer device rows than sequences so that rows are taken
+from idle sequences and given back; and the slots report a change as growth only when it was one."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ DEVICE_ROWS = 3
 class TableCopiesMachine(RuleBasedStateMachine):
     """Requests grow (by one token, as decodes do, or by many), fork, swap out and in, and are freed
     (keeping their slot, as a preempted request does, or releasing it); after every step the runner
-    takes the changes and its copy of each table must equal the request's."""
+    takes the changes and each table's device row must equal the request's table."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]))
     def setup(self, block_size: int) -> None:
@@ -31,6 +31,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         self.slots = SequenceSlots(MAX_BLOCKS, capacity=2, num_device_rows=DEVICE_ROWS)
         self.device = np.zeros((DEVICE_ROWS, MAX_BLOCKS), np.int32)     # what the device would hold
         self.live: list[Request] = []       # requests with a slot
+        self.seen: dict[str, list[int]] = {}    # each live table when the runner last looked
         self.released: list[str] = []
         self.counter = 0
         self.replaced = False       # a table lost or replaced blocks since the runner last looked
@@ -122,23 +123,32 @@ class TableCopiesMachine(RuleBasedStateMachine):
     def copies_equal_tables(self) -> None:
         if not hasattr(self, "kv"):
             return
-        held = {r.request_id: self.slots.block_tables[s, :self.slots.num_blocks[s]].tolist()
-                for r in self.live if (s := self.slots._slot.get(r.request_id)) is not None}
         appended = self.slots.update(self.kv.take_changed_tables(), self.released)
         # Only growth since the last look: reported as such (the runner's steady step relies on it, and
         # on its converse: every table of a sequence with a slot still starts with the blocks it held).
         assert appended or self.replaced
         if appended:
-            assert all(r.block_ids[:len(held[r.request_id])] == held[r.request_id] for r in self.live
-                       if r.request_id in held)
+            assert all(r.block_ids[:len(self.seen[r.request_id])] == self.seen[r.request_id] for r in self.live
+                       if r.request_id in self.seen)
         self.released, self.replaced = [], False
+        self.seen = {r.request_id: list(r.block_ids) for r in self.live}
         for req in self.live:
-            s = self.slots.slot(req)
-            n = len(req.block_ids)
-            assert self.slots.num_blocks[s] == n
-            assert self.slots.block_tables[s, :n].tolist() == req.block_ids
-            assert not self.slots.block_tables[s, n:].any()
+            assert self.slots.num_blocks[self.slots.slot(req)] == len(req.block_ids)
         assert len(self.slots) == len(self.live)
+        self._check_device_rows(self.live)
+
+    def _check_device_rows(self, reqs: list[Request]) -> None:
+        """Apply the queued writes to the test's device copy: every sequence of ``reqs`` holding a
+        device row finds its table there."""
+        writes = self.slots.take_table_writes()
+        if writes is not None:
+            keys = writes[0] * MAX_BLOCKS + writes[1]
+            assert len(set(keys.tolist())) == len(keys)     # a scatter's order among duplicates is undefined
+            self.device[writes[0], writes[1]] = writes[2]
+        for req in reqs:
+            row = self.slots.device_row[self.slots.slot(req)]
+            if row >= 0:
+                assert self.device[row, :len(req.block_ids)].tolist() == req.block_ids, req.request_id
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -149,13 +159,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         slots = np.array([self.slots.slot(r) for r in running], np.int32)
         rows = self.slots.device_rows(slots)
         assert len(set(rows.tolist())) == len(rows) and rows.min() >= 0 and rows.max() < DEVICE_ROWS
-        writes = self.slots.take_table_writes()
-        if writes is not None:
-            keys = writes[0] * MAX_BLOCKS + writes[1]
-            assert len(set(keys.tolist())) == len(keys)     # a scatter's order among duplicates is undefined
-            self.device[writes[0], writes[1]] = writes[2]
-        for req, row in zip(running, rows.tolist()):
-            assert self.device[row, :len(req.block_ids)].tolist() == req.block_ids, req.request_id
+        self._check_device_rows(running)
 
     def teardown(self) -> None:
         for req in getattr(self, "live", []):
