@@ -448,7 +448,7 @@ class KVCacheManager:
     def _growth_room(self, request: Request, num_blocks: int) -> int:
         """Free blocks to keep after the first ``num_blocks`` of ``request``'s table (``BlockPool.append_runs``):
         what its longest possible length (prompt + ``max_tokens``) needs more, at most ``MAX_GROWTH_ROOM``."""
-        room = self.blocks_needed(len(request.prompt_token_ids) + request.max_tokens) - num_blocks
+        room = self.blocks_needed(request.num_prompt_tokens + request.max_tokens) - num_blocks
         return min(room, MAX_GROWTH_ROOM)
 
     def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
@@ -596,7 +596,7 @@ class KVCacheManager:
         cache, parent_key = pool.cache, pool.parent_key
         for request, num_tokens in grown:
             outputs = request.output_token_ids
-            p = len(request.prompt_token_ids)
+            p = request.num_prompt_tokens
             known = p + len(outputs)
             num_full = (num_tokens if num_tokens < known else known) // bs
             done = request.num_published_blocks

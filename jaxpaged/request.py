@@ -68,6 +68,11 @@ class Request:
     """Resolved output length limit (``sampling_params.max_tokens`` or what fits)."""
     seed: int
     """Resolved sampling seed (the user's, or one the engine drew)."""
+    num_prompt_tokens: int = field(init=False)
+    """``len(prompt_token_ids)`` (a prompt never changes once the request is made), kept beside the
+    decode step's fields: the scheduler reads it for every running request each step, and the
+    prompt list is one more object to fetch per request (~30 us a step at 256 running once the
+    device step has evicted the host's caches, measured)."""
     # The fields a decode step reads and writes come first: they share the object's first cache lines.
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
@@ -143,13 +148,12 @@ class Request:
     (stop strings): every token is checked in full. Two fields, so that the common ``FINAL_ONLY``
     token costs no test of the output kind."""
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -167,7 +171,7 @@ class Request:
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_outputs_sampled(self) -> bool:
@@ -180,7 +184,7 @@ class Request:
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         """Token ids in ``[start, stop)`` of the whole sequence, without building it."""
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         if stop <= p:
             return self.prompt_token_ids[start:stop]
         if start >= p:

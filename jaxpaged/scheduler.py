@@ -234,7 +234,7 @@ class Scheduler:
             computed = request.num_computed_tokens
             in_flight = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + in_flight
-            known = len(request.prompt_token_ids) + num_outputs
+            known = request.num_prompt_tokens + num_outputs
             fast = (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
                     and not (shared_tails and request.request_id in shared_tails))
             if fast and not computed % block_size and len(request.block_ids) * block_size <= computed:
@@ -349,7 +349,7 @@ class Scheduler:
             left = request.max_tokens - outputs
             if left <= 0:
                 continue
-            if not request.multi_step or request.pending_forks or len(request.prompt_token_ids) + outputs - computed != 1:
+            if not request.multi_step or request.pending_forks or request.num_prompt_tokens + outputs - computed != 1:
                 return None
             n = k if k < left else left
             # As in schedule(): only a fork shares the block a request writes next.
