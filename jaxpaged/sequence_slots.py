@@ -48,8 +48,10 @@ class SequenceSlots:
         self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
         """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
         self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
-        self.device_row = np.full(capacity, -1, np.int32)
-        """The slot's row of the device block tables (-1: none)."""
+        self.device_row = [-1] * capacity
+        """Each slot's row of the device block tables (-1: none). A list: ``update`` reads it per
+        changed table, and a numpy gather and mask of the grown rows cost ~50 us a step more at 256
+        running once the device step has evicted the host's caches (measured)."""
         self.temperature = np.zeros(capacity, np.float32)
         self.top_k = np.zeros(capacity, np.int32)
         self.top_p = np.ones(capacity, np.float32)
@@ -87,6 +89,7 @@ class SequenceSlots:
         self._free.extend(range(2 * old - 1, old - 1, -1))
         self._owner += [None] * old
         self.num_blocks += [0] * old
+        self.device_row += [-1] * old
 
     def slot(self, r: Request) -> int:
         """The request's slot, filling a new one from the request if it has none."""
@@ -134,62 +137,61 @@ class SequenceSlots:
                 self._owner[s] = None
                 self._drop_row(s)
         rows, cols, ids, replaced = [], [], [], []
-        num_blocks, slot_of = self.num_blocks, self._slot
+        num_blocks, slot_of, device_row = self.num_blocks, self._slot, self.device_row
         for r, first in changed:
             s = slot_of.get(r.request_id)
             if s is None:
                 continue
             block_ids = r.block_ids
             n = len(block_ids)
-            if n > first == num_blocks[s]:
-                # Entries appended (a decode step opens one; a multi-step group of more steps
-                # than a block holds, several).
-                if n == first + 1:
-                    rows.append(s)
-                    cols.append(first)
-                    ids.append(block_ids[first])
-                else:
-                    rows += [s] * (n - first)
-                    cols += range(first, n)
-                    ids += block_ids[first:]
-            else:
-                replaced.append(s)
+            grown = n > first == num_blocks[s]
             num_blocks[s] = n
+            if not grown:
+                replaced.append(s)
+                continue
+            # Entries appended (a decode step opens one; a multi-step group of more steps than a
+            # block holds, several), written if the slot holds a device row.
+            d = device_row[s]
+            if d < 0:
+                continue
+            if n == first + 1:
+                rows.append(d)
+                cols.append(first)
+                ids.append(block_ids[first])
+            else:
+                rows += [d] * (n - first)
+                cols += range(first, n)
+                ids += block_ids[first:]
         if rows:
-            w = np.array([rows, cols, ids], np.int32)
-            w[0] = self.device_row[w[0]]
-            held = w[0] >= 0
-            if held.all():
-                self._table_writes.append(w)
-            elif held.any():
-                self._table_writes.append(w[:, held])
-        if replaced:
-            held = self.device_row[replaced]
-            self._queue_rows(np.array(replaced)[held >= 0], held[held >= 0])
+            self._table_writes.append(np.array([rows, cols, ids], np.int32))
+        held = [s for s in replaced if device_row[s] >= 0]
+        if held:
+            self._queue_rows(held, [device_row[s] for s in held])
         return not replaced
 
     def device_rows(self, slots: np.ndarray) -> np.ndarray:
         """The device rows of ``slots`` (one step's sequences, distinct), lending a row to each slot
         without one and queueing its table's write there."""
-        rows = self.device_row[slots]
+        device_row, listed = self.device_row, slots.tolist()
+        rows = np.fromiter(map(device_row.__getitem__, listed), np.int32, len(listed))
         if rows.min(initial=0) >= 0:
             return rows
-        missing = slots[rows < 0]
+        missing = [s for s in listed if device_row[s] < 0]
         short = len(missing) - len(self._free_rows)
         if short > 0:
-            running = set(slots.tolist())
+            running = set(listed)
             idle = [s for s in self._row_owner if s >= 0 and s not in running]
             if len(idle) < short:
                 raise RuntimeError(f"a step runs {len(slots)} sequences but the device block tables have "
                                    f"{len(self._row_owner)} rows")
             for s in idle[:short]:
                 self._drop_row(s)
-        lent = np.array([self._free_rows.pop() for _ in range(len(missing))], np.int32)
-        for s, d in zip(missing.tolist(), lent.tolist()):
+        lent = [self._free_rows.pop() for _ in missing]
+        for s, d in zip(missing, lent):
             self._row_owner[d] = s
-        self.device_row[missing] = lent
+            device_row[s] = d
         self._queue_rows(missing, lent)
-        return self.device_row[slots]
+        return np.fromiter(map(device_row.__getitem__, listed), np.int32, len(listed))
 
     def take_table_writes(self) -> np.ndarray | None:
         """The queued device-table writes as one ``[3, n]`` array (None: no write), each entry
@@ -202,9 +204,9 @@ class SequenceSlots:
         _, last = np.unique(key[::-1], return_index=True)
         return w[:, len(key) - 1 - last]
 
-    def _queue_rows(self, slots: np.ndarray, rows: np.ndarray) -> None:
+    def _queue_rows(self, slots: list[int], rows: list[int]) -> None:
         """Queue writes of the slots' whole tables (their requests' ``block_ids``) to their device rows."""
-        tables = [self._owner[s].block_ids for s in slots.tolist()]
+        tables = [self._owner[s].block_ids for s in slots]
         n = np.fromiter(map(len, tables), np.int64, len(tables))
         total = int(n.sum())
         if not total:
@@ -217,5 +219,5 @@ class SequenceSlots:
         d = self.device_row[s]
         if d >= 0:
             self._row_owner[d] = -1
-            self._free_rows.append(int(d))
+            self._free_rows.append(d)
             self.device_row[s] = -1
