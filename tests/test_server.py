@@ -486,14 +486,29 @@ def test_disconnected_streams_free_everything(url):
     assert metrics(url)[aborted] - before == 20
 
 
-def test_disconnected_non_streamed_request_is_aborted(url):
+class SlowEngine(GatedEngine):
+    """An open ``GatedEngine`` whose steps take at least 10 ms each, however fast the machine."""
+
+    def step(self):
+        time.sleep(0.01)
+        return super().step()
+
+
+def test_disconnected_non_streamed_request_is_aborted(tiny):
+    """A fresh engine whose 240 steps take over 2.4 s, so the request cannot finish before the server
+    sees the client leave (its read timeout of 50 ms); a bare tiny model's steps could."""
+    engine = AsyncLLMEngine(SlowEngine(LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS)),
+                                       open=True))
     aborted = 'jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}'
-    before = metrics(url).get(aborted, 0.0)
     body = {"model": MODEL, "prompt": "Long one", "max_tokens": 240, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):       # 240 engine steps take longer than 50 ms
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
-    wait_until_idle(url)
-    assert metrics(url)[aborted] == before + 1
+    try:
+        with serve(build_app(engine, MODEL)) as base:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
+            wait_until_idle(base)
+            assert metrics(base).get(aborted, 0.0) == 1
+    finally:
+        engine.shutdown()
 
 
 def test_overload_then_dead_engine_return_503(tiny):
