@@ -29,7 +29,7 @@ _SEED_MASK = (1 << 64) - 1
 
 class SequenceSlots:
     """One slot per live sequence (grown by doubling), and ``num_device_rows`` rows of the
-    device copy of the block tables lent to the slots that steps run.
+    device block tables (the only full copy) lent to the slots that steps run.
 
     A slot gets a device row when a step first runs it (``device_rows``), queueing a write of its
     whole table there, and keeps it until released; when all rows are lent, a step takes them
