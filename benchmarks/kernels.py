@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -240,7 +241,8 @@ def time_backends(iters: int, quick: bool, block_size: int) -> list[dict]:
         q, kv, md, live_bytes, flops = _batch(rows, dtype=dtype, **shapes)
         cells = []
         results.append({"platform": platform, "device": device.device_kind, "workload": kind, "batch": batch,
-                        "context": context, "live_bytes": live_bytes, "attention_flops": flops, "ms": {}})
+                        "context": context, "live_bytes": live_bytes, "attention_flops": flops, "ms": {},
+                        "kernel": kernel, "peak_gb_s": peak / 1e9 if peak else None})
         for backend in backends:
             if backend == "reference":
                 fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
@@ -385,7 +387,37 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import write_json
 
     write_json("kernels", {"args": vars(args), "rows": rows})
+    plot(rows)
     return 0
+
+
+def plot(rows: list[dict]) -> Path:
+    """Left: each backend's median ms per call for every workload (log scale). Right: the platform kernel's
+    achieved GB/s of live K/V and queries, with the device's peak bandwidth where it is known (GPU/TPU)."""
+    from benchmarks.common import new_figure, save_figure
+
+    fig, (ax_ms, ax_bw) = new_figure(ncols=2, width=7.0)
+    x = np.arange(len(rows))
+    labels = [f"{r['workload']}\n{r['batch']} x {r['context']}" for r in rows]
+    backends = list(dict.fromkeys(b for r in rows for b in r["ms"]))
+    width = 0.8 / max(1, len(backends))
+    for i, backend in enumerate(backends):
+        ax_ms.bar(x + (i - (len(backends) - 1) / 2) * width, [r["ms"].get(backend, np.nan) for r in rows], width,
+                  label=backend)
+    ax_ms.set_yscale("log")
+    ax_ms.set_xticks(x, labels)
+    ax_ms.set(ylabel="ms per call (median)", title=f"paged attention on {rows[0]['device']}")
+    ax_ms.legend()
+    ax_bw.bar(x, [r.get("achieved_gb_s", np.nan) for r in rows])
+    peak = rows[0].get("peak_gb_s")
+    if peak:
+        ax_bw.axhline(peak, color="k", linestyle="--", label="peak bandwidth")
+        ax_bw.legend()
+    ax_bw.set_xticks(x, labels)
+    kernel = rows[0]["kernel"]
+    ax_bw.set(ylabel="GB/s of live K/V and queries",
+              title=f"{kernel} kernel's achieved bandwidth" if kernel else "no platform kernel built")
+    return save_figure(fig, "kernels")
 
 
 if __name__ == "__main__":

@@ -8,21 +8,26 @@ and the same step budget; prefix caching is off for both unless ``--prefix-cachi
 repeats the same prompts, which a prefix cache would skip after the first). Each system's figure
 is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
 
+Writes ``benchmarks/results/throughput.json`` and ``throughput.png``: each system's useful output tok/s, with
+10x HF's figure and the float32 ceiling (``--ceiling``) as lines.
+
 ``python -m benchmarks.throughput --n 64 --seed 0 [--dtypes float32,bfloat16] [--peer hf] [--peer vllm]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
+from benchmarks.common import new_figure, save_figure, write_json
 from benchmarks.workload import WorkloadRequest, model_flops, synthetic
 from jaxpaged.config import keeps_quantized_blocks
 
-RESULTS = Path(__file__).parent / "results"
+_BAR_COLOURS = (("jaxpaged", "C0"), ("vllm", "C1"), ("hf", "C2"))
 
 
 def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) -> dict:
@@ -229,9 +234,33 @@ def main() -> None:
         if "hf" in args.peer:
             print(f"10x HF float32 static batching = {10 * hf_row['output_tok_per_s']:.1f} useful output tok/s, "
                   f"{10 * hf_row['output_tok_per_s'] / ceiling['output_tok_per_s']:.0%} of the float32 ceiling")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps({"args": vars(args), "rows": rows, "float32_ceiling": ceiling},
-                                                        indent=1))
+    write_json("throughput", {"args": vars(args), "rows": rows, "float32_ceiling": ceiling})
+    plot(rows, ceiling)
+
+
+def plot(rows: list[dict], ceiling: dict | None) -> Path:
+    """One bar per system (its useful output tok/s), jaxpaged's, vLLM's and HF's in their own colours; 10x the
+    HF row's figure and the float32 ceiling as vertical lines when the run has them."""
+    fig, (ax,) = new_figure(width=8.0, height=1.5 + 0.45 * len(rows))
+    y = np.arange(len(rows))
+    values = [r["output_tok_per_s"] for r in rows]
+    colours = [next((c for prefix, c in _BAR_COLOURS if r["system"].startswith(prefix)), "C7") for r in rows]
+    ax.barh(y, values, color=colours)
+    for yi, v in zip(y, values):
+        ax.text(v, yi, f" {v:.0f}", va="center")
+    ax.set_yticks(y, [r["system"] if r["n"] == rows[0]["n"] else f"{r['system']}, {r['n']} requests" for r in rows])
+    ax.invert_yaxis()
+    hf = next((r for r in rows if r["system"].startswith("hf")), None)
+    if hf is not None:
+        ax.axvline(10 * hf["output_tok_per_s"], color="k", linestyle="--", label="10x HF static batching")
+    if ceiling:
+        ax.axvline(ceiling["output_tok_per_s"], color="r", linestyle=":", label="float32 ceiling (FMA peak)")
+    if hf is not None or ceiling:
+        ax.legend(loc="lower right")
+    lines = [line.get_xdata()[0] for line in ax.get_lines()]
+    ax.set_xlim(0, 1.12 * max(values + lines))     # room for the figures after the bars
+    ax.set(xlabel="useful output tokens/s (median of rounds)", title=f"offline throughput, {rows[0]['n']} requests")
+    return save_figure(fig, "throughput")
 
 
 if __name__ == "__main__":

