@@ -2,7 +2,8 @@
 
 Starts ``jaxpaged serve`` on 127.0.0.1 (a free port) as a subprocess, or targets ``--url``.
 For each request rate (requests/s) the seeded synthetic workload is sent with Poisson arrivals
-to ``/v1/completions`` as token ids (``prompt: [ids]``), greedy, ``ignore_eos`` (so each output
+to ``/v1/completions`` as token ids (``prompt: [ids]``), or with ``--workload chat`` its real-text
+variant to ``/v1/chat/completions`` as chat messages; greedy, ``ignore_eos`` (so each output
 has its exact length), streamed (SSE) by an asynchronous httpx client. Per rate it reports:
 
 - TTFT: time from sending to the first streamed chunk;
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import ROOT, UNDER_LOAD, new_figure, percentiles, print_table, save_figure, write_json
-from benchmarks.workload import WorkloadRequest, synthetic
+from benchmarks.workload import WORKLOADS, WorkloadRequest, requests
 
 
 @dataclass
@@ -106,11 +107,19 @@ def summarize(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) ->
 
 
 async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: RequestRecord) -> None:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed request: a chat completion of ``req.messages`` if it has them, else a completion of
+    its token ids; ``rec`` gets the time of every chunk that carries text (or the finish)."""
+    body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if req.messages is None:
+        endpoint, text = "completions", lambda choice: choice.get("text")
+        body["prompt"] = req.prompt_token_ids
+    else:
+        endpoint, text = "chat/completions", lambda choice: choice.get("delta", {}).get("content")
+        body["messages"] = req.messages
     rec.send_time = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return
@@ -126,7 +135,7 @@ async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: Requ
                     return
                 if chunk.get("usage"):
                     rec.completion_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") or c.get("finish_reason") for c in chunk.get("choices", [])):
+                if any(text(c) or c.get("finish_reason") for c in chunk.get("choices", [])):
                     rec.chunk_times.append(time.perf_counter())
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         rec.error = f"{type(e).__name__}: {e}"[:200]
@@ -156,7 +165,7 @@ async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: floa
 def warm_up(url: str, model: str, reqs: list[WorkloadRequest], max_output: int = 32) -> list[RequestRecord]:
     """Compile the server's common step programs before measuring: ``reqs`` (outputs capped) all at
     once, then one alone (batches from many rows down to one, prompt chunks and decodes)."""
-    warm = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output)) for r in reqs]
+    warm = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output), r.messages) for r in reqs]
     return [*asyncio.run(run_rate(url, model, warm, float("inf"), 0)),
             *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0))]
 
@@ -239,6 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma-separated; 'inf' = all at once")
     ap.add_argument("--n", type=int, default=64, help="requests per rate")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", choices=WORKLOADS, default="synthetic",
+                    help="synthetic: token-id prompts to /v1/completions; chat: the same lengths as chat "
+                         "conversations in English to /v1/chat/completions")
     ap.add_argument("--prompt-mean", type=float, default=128)
     ap.add_argument("--output-mean", type=float, default=128)
     ap.add_argument("--max-model-len", type=int, default=512)
@@ -254,8 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     rates = [float(r) for r in args.rates.split(",")]
-    reqs = synthetic(args.n, args.seed, prompt_mean=args.prompt_mean, output_mean=args.output_mean,
-                     max_total=args.max_model_len)
+    reqs = requests(args.workload, args.n, args.seed, args.model, prompt_mean=args.prompt_mean,
+                    output_mean=args.output_mean, max_total=args.max_model_len)
     name = args.served_model_name or args.model
     proc = None
     if args.url is None:

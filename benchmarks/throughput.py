@@ -11,6 +11,9 @@ is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
 Writes ``benchmarks/results/throughput.json`` and ``throughput.png``: each system's useful output tok/s, with
 10x HF's figure and the float32 ceiling (``--ceiling``) as lines.
 
+``--workload chat`` runs the workload's real-text variant (the same lengths, prompts that are chat conversations in
+English, templated by the model's tokenizer) on every system.
+
 ``python -m benchmarks.throughput --n 64 --seed 0 [--dtypes float32,bfloat16] [--peer hf] [--peer vllm]``
 """
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import new_figure, save_figure, write_json
-from benchmarks.workload import WorkloadRequest, model_flops, synthetic
+from benchmarks.workload import WORKLOADS, WorkloadRequest, model_flops, requests
 from jaxpaged.config import keeps_quantized_blocks
 
 _BAR_COLOURS = (("jaxpaged", "C0"), ("vllm", "C1"), ("hf", "C2"))
@@ -169,6 +172,8 @@ def main() -> None:
     add_engine_arguments(ap)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", choices=WORKLOADS, default="synthetic",
+                    help="synthetic: random token ids; chat: the same lengths as chat conversations in English")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; jaxpaged and vLLM run each")
     ap.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (both systems)")
     ap.add_argument("--quantization", default="auto,gguf,none",
@@ -187,7 +192,7 @@ def main() -> None:
                          "useful output tok/s at that peak (needs a C++ compiler)")
     args = ap.parse_args()
 
-    reqs = synthetic(args.n, args.seed)
+    reqs = requests(args.workload, args.n, args.seed, args.model)
     dtypes = args.dtypes.split(",")
     rows, runs = [], []
     quantizations = args.quantization.split(",")

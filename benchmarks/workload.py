@@ -2,11 +2,14 @@
 
 Prompt and output lengths are lognormal (means about 128 tokens, sigma 1.0 and 0.8), clipped
 so prompt + output <= 512; prompts are random token ids and requests ignore EOS, so each one
-produces exactly its output length. ``chat_prompts`` gives a real-text variant.
+produces exactly its output length. ``chat`` gives a real-text variant: the same lengths, prompts that
+are chat conversations in plain English.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +21,8 @@ MAX_TOTAL = 512
 class WorkloadRequest:
     prompt_token_ids: list[int]
     output_len: int
+    messages: list[dict[str, str]] | None = None
+    """The chat conversation whose templated tokens are ``prompt_token_ids`` (the real-text variant)."""
 
 
 def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -55,9 +60,76 @@ def model_flops(reqs: list[WorkloadRequest], cfg) -> int:
 TOPICS = ["the history of paper", "how bridges carry load", "why the sea is salty", "a recipe for bread",
           "the rules of chess", "how vaccines work", "the life of bees", "what a compiler does"]
 
+NOTES = """\
+The town kept its records in a long room above the market, where the light came in through tall windows
+and the paper smelled of dust and rain. Every spring the clerks opened the oldest boxes to see what the
+damp had done, and every spring they found that the ledgers written on rag paper had survived while the
+cheaper pulp had browned and cracked at the edges. A bridge over the river had been rebuilt three times;
+the first was timber and burned, the second was stone and stood until a flood undercut one pier, and the
+third, an iron truss, still carries carts and bicycles across. Engineers who visit point out how the load
+runs along the diagonal members into the abutments, and how the rivets were set hot so that they would
+shrink and pull the plates together as they cooled. Below the bridge the water turns brackish twice a day,
+because the tide pushes salt water up the estuary faster than the river can push it back, and the fishermen
+know exactly which reach holds which fish at which hour. The baker on the corner starts at four: flour,
+water, salt and a spoon of yesterday's dough, folded every half hour until it holds its shape, then left in
+cloth-lined baskets while the oven heats. In the evenings the same room above the market fills with chess
+players who argue about openings, about whether a knight on the rim is really dim, and about the endgame
+where a single pawn decides everything. A retired nurse teaches a class there on how the body learns to
+recognise an invader it has never met, using a chalk drawing of a lock and many keys. In summer the roof
+hums with bees from the hives a beekeeper placed there years ago; they forage across the river, return
+heavy with pollen, and dance on the comb to tell the others where the flowers are. The youngest clerk,
+who writes small programs to index the ledgers, likes to say that a compiler is only a very patient
+translator that reads the whole book before it writes a single word of the translation."""
 
-def chat_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """Real-text chat conversations for the text variant of the workload."""
+_NOTE_WORDS = NOTES.split()
+
+
+def _conversation(topic: str, start: int, num_words: int) -> list[dict[str, str]]:
+    """A question on ``topic`` with ``num_words`` words of ``NOTES`` from word ``start`` on (cyclic) as context."""
+    question = f"Explain {topic} in plain words."
+    if not num_words:
+        return [{"role": "user", "content": question}]
+    notes = " ".join(_NOTE_WORDS[(start + j) % len(_NOTE_WORDS)] for j in range(num_words))
+    return [{"role": "user", "content": f"{question} My notes so far: {notes}"}]
+
+
+def chat(n: int, seed: int, chat_template: Callable[[list[dict[str, str]]], list[int]], prompt_mean: float = 128,
+         output_mean: float = 128, max_total: int = MAX_TOTAL) -> list[WorkloadRequest]:
+    """The real-text variant: ``synthetic``'s lengths for the same seed, with each prompt a chat
+    conversation in plain English (a question on one of ``TOPICS``, with a window of ``NOTES`` as
+    context) sized to the synthetic prompt's token count under ``chat_template`` (a tokenizer's
+    ``apply_chat_template``; the template's own tokens set a floor: shorter targets get the bare
+    question). Outputs keep the synthetic lengths (clipped so prompt + output <= ``max_total``) and
+    ignore EOS, so every system does the same work on real text."""
     rng = np.random.default_rng(seed)
-    return [[{"role": "user", "content": f"Explain {TOPICS[i]} in {int(w)} words."}]
-            for i, w in zip(rng.integers(0, len(TOPICS), n), rng.integers(20, 200, n))]
+    out = []
+    for r in synthetic(n, seed, prompt_mean=prompt_mean, output_mean=output_mean, max_total=max_total):
+        topic, start = TOPICS[int(rng.integers(len(TOPICS)))], int(rng.integers(len(_NOTE_WORDS)))
+        lo, hi = 0, 4 * len(r.prompt_token_ids)   # the most words whose prompt fits the target (binary search)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(chat_template(_conversation(topic, start, mid))) <= len(r.prompt_token_ids):
+                lo = mid
+            else:
+                hi = mid - 1
+        messages = _conversation(topic, start, lo)
+        ids = chat_template(messages)
+        out.append(WorkloadRequest(ids, max(1, min(r.output_len, max_total - len(ids))), messages))
+    return out
+
+
+WORKLOADS = ("synthetic", "chat")
+
+
+def requests(kind: str, n: int, seed: int, model: str, **lengths) -> list[WorkloadRequest]:
+    """The ``synthetic`` workload (random token ids), or its ``chat`` variant in ``model``'s tokenizer
+    and chat template (read through the engine's tokenizer cache); ``lengths``: ``synthetic``'s."""
+    if kind == "synthetic":
+        return synthetic(n, seed, **lengths)
+    if kind != "chat":
+        raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(WORKLOADS)}")
+    from jaxpaged.config import DEFAULT_CACHE_DIR
+    from jaxpaged.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(model, cache_dir=os.path.join(DEFAULT_CACHE_DIR, "tokenizers"))
+    return chat(n, seed, tokenizer.apply_chat_template, **lengths)

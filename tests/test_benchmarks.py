@@ -412,3 +412,80 @@ def test_plots_are_written_as_png_files(monkeypatch, tmp_path):
     path = throughput.plot(_THROUGHPUT_ROWS, None)
     assert path == tmp_path / "throughput.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_workload_is_real_text_sized_like_the_synthetic_one(smollm2_tokenizer):
+    from benchmarks import workload
+
+    template = smollm2_tokenizer.apply_chat_template
+    reqs = workload.chat(24, 3, template)
+    assert reqs == workload.chat(24, 3, template)                 # the same seed, the same requests
+    floors = 0
+    for r, s in zip(reqs, synthetic(24, 3)):
+        (message,) = r.messages
+        assert message["role"] == "user" and message["content"].startswith("Explain ")
+        assert r.prompt_token_ids == template(r.messages)
+        target, got = len(s.prompt_token_ids), len(r.prompt_token_ids)
+        if " My notes so far: " in message["content"]:
+            assert got <= target
+            _, notes = message["content"].split(" My notes so far: ")
+            notes = notes.split()                                # a window of NOTES' words (cyclic)
+            words = workload.NOTES.split()
+            start = next(i for i in range(len(words))
+                         if all(words[(i + j) % len(words)] == w for j, w in enumerate(notes)))
+            longer = f"{message['content']} {words[(start + len(notes)) % len(words)]}"
+            assert len(template([{"role": "user", "content": longer}])) > target     # the most words that fit
+        else:                                                    # no word of notes fits: not even a 1-token one
+            floors += 1
+            with_one = [{"role": "user", "content": message["content"] + " My notes so far: x"}]
+            assert len(template(with_one)) > target
+        assert r.output_len == min(s.output_len, workload.MAX_TOTAL - got)
+    assert floors < len(reqs) // 2
+
+
+class _StreamedReplies:
+    """An httpx transport answering every POST with server-sent events, and keeping the requests."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.requests = events, []
+
+    def __call__(self, request):
+        import httpx
+
+        self.requests.append(request)
+        body = "".join(f"data: {e}\n\n" for e in [*self.events, "[DONE]"])
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_serving_sends_chat_messages_or_token_ids_and_times_the_text_chunks(chat):
+    import asyncio
+    import json
+
+    import httpx
+
+    from benchmarks.workload import WorkloadRequest
+
+    def choice(text, finish=None):
+        return {"index": 0, "finish_reason": finish, **({"delta": {"content": text}} if chat else {"text": text})}
+
+    events = [json.dumps({"choices": [choice(t, f)]}) for t, f in (("", None), ("Hi", None), (" there", None),
+                                                                    ("", "length"))]
+    events.append(json.dumps({"choices": [], "usage": {"completion_tokens": 3}}))
+    replies = _StreamedReplies(events)
+    messages = [{"role": "user", "content": "Explain the rules of chess in plain words."}]
+    req = WorkloadRequest([1, 2, 3], 3, messages if chat else None)
+    rec = serving.RequestRecord(3, 3)
+
+    async def send():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replies)) as client:
+            await serving.send_one(client, "http://test", "m", req, rec)
+
+    asyncio.run(send())
+    (sent,) = replies.requests
+    body = json.loads(sent.content)
+    assert sent.url.path == ("/v1/chat/completions" if chat else "/v1/completions")
+    assert (body.get("messages"), body.get("prompt")) == ((messages, None) if chat else (None, [1, 2, 3]))
+    assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"]
+    assert rec.error is None and rec.completion_tokens == 3
+    assert len(rec.chunk_times) == 3                           # the two texts and the finish, not the empty first
