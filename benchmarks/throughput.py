@@ -256,14 +256,16 @@ def plot(rows: list[dict], ceiling: dict | None) -> Path:
     ax.set_yticks(y, [r["system"] if r["n"] == rows[0]["n"] else f"{r['system']}, {r['n']} requests" for r in rows])
     ax.invert_yaxis()
     hf = next((r for r in rows if r["system"].startswith("hf")), None)
+    lines = []          # (x, colour, style, label)
     if hf is not None:
-        ax.axvline(10 * hf["output_tok_per_s"], color="k", linestyle="--", label="10x HF static batching")
+        lines.append((10 * hf["output_tok_per_s"], "k", "--", "10x HF static batching"))
     if ceiling:
-        ax.axvline(ceiling["output_tok_per_s"], color="r", linestyle=":", label="float32 ceiling (FMA peak)")
-    if hf is not None or ceiling:
+        lines.append((ceiling["output_tok_per_s"], "r", ":", "float32 ceiling (FMA peak)"))
+    for x, colour, style, label in lines:
+        ax.axvline(x, color=colour, linestyle=style, label=label)
+    if lines:
         ax.legend(loc="lower right")
-    lines = [line.get_xdata()[0] for line in ax.get_lines()]
-    ax.set_xlim(0, 1.12 * max(values + lines))     # room for the figures after the bars
+    ax.set_xlim(0, 1.12 * max(values + [x for x, *_ in lines]))     # room for the figures after the bars
     ax.set(xlabel="useful output tokens/s (median of rounds)", title=f"offline throughput, {rows[0]['n']} requests")
     return save_figure(fig, "throughput")
 

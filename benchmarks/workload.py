@@ -105,15 +105,17 @@ def chat(n: int, seed: int, chat_template: Callable[[list[dict[str, str]]], list
     out = []
     for r in synthetic(n, seed, prompt_mean=prompt_mean, output_mean=output_mean, max_total=max_total):
         topic, start = TOPICS[int(rng.integers(len(TOPICS)))], int(rng.integers(len(_NOTE_WORDS)))
-        lo, hi = 0, 4 * len(r.prompt_token_ids)   # the most words whose prompt fits the target (binary search)
+        # The most words whose prompt fits the target (binary search), and that prompt's tokens.
+        lo, hi, fits = 0, 4 * len(r.prompt_token_ids), None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(chat_template(_conversation(topic, start, mid))) <= len(r.prompt_token_ids):
-                lo = mid
+            ids = chat_template(_conversation(topic, start, mid))
+            if len(ids) <= len(r.prompt_token_ids):
+                lo, fits = mid, ids
             else:
                 hi = mid - 1
         messages = _conversation(topic, start, lo)
-        ids = chat_template(messages)
+        ids = fits if lo else chat_template(messages)
         out.append(WorkloadRequest(ids, max(1, min(r.output_len, max_total - len(ids))), messages))
     return out
 

@@ -489,3 +489,11 @@ def test_serving_sends_chat_messages_or_token_ids_and_times_the_text_chunks(chat
     assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"]
     assert rec.error is None and rec.completion_tokens == 3
     assert len(rec.chunk_times) == 3                           # the two texts and the finish, not the empty first
+
+
+def test_an_unknown_workload_is_refused_by_name():
+    from benchmarks import workload
+
+    with pytest.raises(ValueError, match="unknown workload 'sharegpt'; choose one of synthetic, chat"):
+        workload.requests("sharegpt", 4, 0, "smollm2-135m-instruct")
+    assert workload.requests("synthetic", 4, 0, "unused") == synthetic(4, 0)
