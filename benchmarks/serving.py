@@ -4,7 +4,10 @@ Starts ``jaxpaged serve`` on 127.0.0.1 (a free port) as a subprocess, or targets
 For each request rate (requests/s) the seeded synthetic workload is sent with Poisson arrivals
 to ``/v1/completions`` as token ids (``prompt: [ids]``), or with ``--workload chat`` its real-text
 variant to ``/v1/chat/completions`` as chat messages; greedy, ``ignore_eos`` (so each output
-has its exact length), streamed (SSE) by an asynchronous httpx client. Per rate it reports:
+has its exact length), streamed (SSE) by an asynchronous httpx client. Every rate sends the same
+requests, so each rate (and the warm-up) has a ``cache_salt`` of its own: no rate finds the prompts of
+an earlier one in the server's prefix cache (only what its own requests share, such as the chat
+template's system prompt). Per rate it reports:
 
 - TTFT: time from sending to the first streamed chunk;
 - TPOT: (end-to-end - TTFT) / (output tokens - 1), per request;
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -112,11 +116,12 @@ def summarize(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) ->
     }
 
 
-async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: RequestRecord) -> None:
+async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: RequestRecord, salt: str) -> None:
     """One streamed request: a chat completion of ``req.messages`` if it has them, else a completion of
-    its token ids; ``rec`` gets the time of every chunk that carries text (or the finish)."""
+    its token ids, with prefix-cache salt ``salt``; ``rec`` gets the time of every chunk that carries
+    text (or the finish)."""
     body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     if req.messages is None:
         endpoint, text = "completions", lambda choice: choice.get("text")
         body["prompt"] = req.prompt_token_ids
@@ -149,8 +154,9 @@ async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: Requ
         rec.end_time = time.perf_counter()
 
 
-async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: float, seed: int) -> list[RequestRecord]:
-    """Send ``reqs`` at Poisson arrivals of ``rate`` per second; wait for all to finish."""
+async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: float, seed: int,
+                   salt: str) -> list[RequestRecord]:
+    """Send ``reqs`` (prefix-cache salt ``salt``) at Poisson arrivals of ``rate`` per second; wait for all to finish."""
     import httpx
 
     offsets = poisson_arrivals(len(reqs), rate, seed)
@@ -163,17 +169,17 @@ async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: floa
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send_one(client, url, model, req, rec)))
+            tasks.append(asyncio.create_task(send_one(client, url, model, req, rec, salt)))
         await asyncio.gather(*tasks)
     return records
 
 
-def warm_up(url: str, model: str, reqs: list[WorkloadRequest], max_output: int = 32) -> list[RequestRecord]:
+def warm_up(url: str, model: str, reqs: list[WorkloadRequest], salt: str, max_output: int = 32) -> list[RequestRecord]:
     """Compile the server's common step programs before measuring: ``reqs`` (outputs capped) all at
     once, then one alone (batches from many rows down to one, prompt chunks and decodes)."""
     warm = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output), r.messages) for r in reqs]
-    return [*asyncio.run(run_rate(url, model, warm, float("inf"), 0)),
-            *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0))]
+    return [*asyncio.run(run_rate(url, model, warm, float("inf"), 0, salt)),
+            *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0, salt))]
 
 
 def free_port() -> int:
@@ -257,17 +263,20 @@ def print_rows(rows: list[dict]) -> None:
 
 def measure(system: str, url: str, name: str, reqs: list[WorkloadRequest], rates: list[float], args) -> list[dict]:
     """Warm ``system``'s server at ``url`` up (``args.warmup`` requests), then one row per rate (``summarize``
-    and every request's record)."""
+    and every request's record); the warm-up and each rate with a prefix-cache salt of their own, new on
+    every call."""
+    run = secrets.token_hex(4)
     if args.warmup:
         t = time.perf_counter()
-        recs = warm_up(url, name, reqs[:args.warmup])
+        recs = warm_up(url, name, reqs[:args.warmup], f"{run}-warmup")
         print(f"{system} warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
               f"{sum(not r.ok for r in recs)} failed")
     rows = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         t = time.perf_counter()
-        records = asyncio.run(run_rate(url, name, reqs, rate, args.seed))
-        rows.append({"rate": rate, **summarize(records, args.slo_ttft, args.slo_tpot),
+        salt = f"{run}-rate{i}"
+        records = asyncio.run(run_rate(url, name, reqs, rate, args.seed, salt))
+        rows.append({"rate": rate, "cache_salt": salt, **summarize(records, args.slo_ttft, args.slo_tpot),
                      "records": [asdict(r) for r in records]})
         errors = [r.error for r in records if r.error]
         print(f"{system}, rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"

@@ -479,14 +479,14 @@ def test_serving_sends_chat_messages_or_token_ids_and_times_the_text_chunks(chat
 
     async def send():
         async with httpx.AsyncClient(transport=httpx.MockTransport(replies)) as client:
-            await serving.send_one(client, "http://test", "m", req, rec)
+            await serving.send_one(client, "http://test", "m", req, rec, "salt-1")
 
     asyncio.run(send())
     (sent,) = replies.requests
     body = json.loads(sent.content)
     assert sent.url.path == ("/v1/chat/completions" if chat else "/v1/completions")
     assert (body.get("messages"), body.get("prompt")) == ((messages, None) if chat else (None, [1, 2, 3]))
-    assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"]
+    assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"] and body["cache_salt"] == "salt-1"
     assert rec.error is None and rec.completion_tokens == 3
     assert len(rec.chunk_times) == 3                           # the two texts and the finish, not the empty first
 
@@ -681,3 +681,28 @@ def test_vllm_server_command_serves_the_model_under_our_name_with_our_limits(tmp
 def test_serving_refuses_a_peer_with_a_url():
     with pytest.raises(SystemExit, match="leave out --url"):
         serving.main(["--peer", "vllm", "--url", "http://127.0.0.1:1"])
+
+
+def test_serving_gives_the_warm_up_and_every_rate_a_prefix_cache_salt_of_their_own(monkeypatch):
+    """Every rate sends the same requests: with one salt, a later rate would find an earlier one's prompts
+    in the prefix cache. Each rate and the warm-up get their own, and a second measurement new ones."""
+    import argparse
+
+    salts = []
+
+    async def fake_run_rate(url, model, reqs, rate, seed, salt):
+        salts.append((rate, salt))
+        return [serving.RequestRecord(4, 2, send_time=0.0, chunk_times=[0.1, 0.2], end_time=0.2)]
+
+    monkeypatch.setattr(serving, "run_rate", fake_run_rate)
+    args = argparse.Namespace(warmup=1, seed=0, slo_ttft=1.0, slo_tpot=1.0)
+    rows = serving.measure("s", "http://x", "m", [], [1.0, 2.0, float("inf")], args)
+    first = list(salts)
+    serving.measure("s", "http://x", "m", [], [1.0], args)
+    warm = first[0][1]
+    assert first[1][1] == warm and warm.endswith("warmup")     # the warm-up's two sends share one salt
+    rate_salts = [salt for _, salt in first[2:]]
+    assert [rate for rate, _ in first[2:]] == [1.0, 2.0, float("inf")]
+    assert len(set(rate_salts)) == 3 and warm not in rate_salts
+    assert [r["cache_salt"] for r in rows] == rate_salts
+    assert not {salt for _, salt in salts[len(first):]} & {salt for _, salt in first}
