@@ -4,9 +4,10 @@ side with Hugging Face transformers static batching (``--peer hf``) or vLLM's CP
 on the same model and requests (same token ids and output lengths, ignore_eos, temperature 0).
 
 jaxpaged and vLLM run each dtype of ``--dtypes`` with the same KV-cache space (``--kv-cache-gib``)
-and the same step budget; prefix caching is off for both unless ``--prefix-caching`` (every round
-repeats the same prompts, which a prefix cache would skip after the first). Each system's figure
-is the median of its rounds; ratios are jaxpaged over the peer, dtype for dtype.
+and the same step budget; prefix caching is off for both unless ``--prefix-caching``. Every round sends
+the same prompts, each round under a prefix-cache salt of its own (``cache_salt``), so that with prefix
+caching on no round finds the one before's prompts cached. Each system's figure is the median of its
+rounds; ratios are jaxpaged over the peer, dtype for dtype.
 
 Writes ``benchmarks/results/throughput.json`` and ``throughput.png``: each system's useful output tok/s, with
 10x HF's figure and the float32 ceiling (``--ceiling``) as lines.
@@ -43,9 +44,10 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
     llm = LLM(**engine_args)
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    prompts = [r.prompt_token_ids for r in reqs]
     runs = []
-    for _ in range(rounds):
+    for k in range(rounds):
+        # A prefix-cache salt per round: no round finds the prompts of the one before cached.
+        prompts = [{"prompt_token_ids": r.prompt_token_ids, "cache_salt": f"round-{k}"} for r in reqs]
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - t)

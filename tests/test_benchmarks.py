@@ -706,3 +706,25 @@ def test_serving_gives_the_warm_up_and_every_rate_a_prefix_cache_salt_of_their_o
     assert len(set(rate_salts)) == 3 and warm not in rate_salts
     assert [r["cache_salt"] for r in rows] == rate_salts
     assert not {salt for _, salt in salts[len(first):]} & {salt for _, salt in first}
+
+
+def test_throughput_rounds_never_find_the_round_befores_prompts_cached(tiny, monkeypatch):
+    """With prefix caching on, every round repeats the same prompts under a salt of its own: the cache is
+    queried for every prompt of both rounds and hits nothing (these random prompts share no block)."""
+    import jaxpaged
+
+    made = []
+
+    class Recording(jaxpaged.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(jaxpaged, "LLM", Recording)
+    reqs = synthetic(4, seed=1, vocab_size=300, prompt_mean=20, output_mean=4, max_total=64)
+    res = throughput.run_jaxpaged(reqs, dict(model=str(tiny[0]), dtype="float32", max_num_seqs=8, block_size=4,
+                                             max_num_batched_tokens=256, max_model_len=64,
+                                             enable_prefix_caching=True), rounds=2)
+    stats = made[0].engine.kv_cache_manager.stats
+    assert len(res["seconds"]) == 2
+    assert stats.queries == 2 * sum(len(r.prompt_token_ids) for r in reqs) and stats.hits == 0

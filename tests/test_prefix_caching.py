@@ -200,3 +200,33 @@ def test_shared_1000_token_prefix_computes_only_the_suffix(long_model):
     # then one token per decode step.
     assert computed[0] == len(second) - 62 * 16
     assert sum(computed) == len(second) - 62 * 16 + SP.max_tokens - 1
+
+
+def test_llm_prompt_dicts_carry_a_cache_salt(long_model):
+    """vLLM's prompt dicts: the same tokens under another salt hit nothing, under the same salt all their
+    full blocks; text and token-id prompts mix; a malformed dict is refused before anything runs."""
+    llm = LLM(str(long_model[0]), block_size=8)
+    stats = llm.engine.kv_cache_manager.stats
+    prompt = np.random.default_rng(3).integers(3, 350, 41).tolist()     # 5 full blocks
+    expected = hf_greedy(long_model[1], prompt, 8)[0]
+
+    def hits(prompts):
+        before = stats.hits
+        outs = llm.generate(prompts, SP, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [expected] * len(prompts)
+        return stats.hits - before
+
+    assert hits([{"prompt_token_ids": prompt, "cache_salt": "a"}]) == 0
+    assert hits([{"prompt_token_ids": prompt, "cache_salt": "b"}]) == 0
+    assert hits([{"prompt_token_ids": prompt, "cache_salt": "a"}, prompt]) == 40     # the unsalted one: a miss
+    assert hits({"prompt_token_ids": prompt}) == 40
+    text = llm.generate({"prompt": "hello there"}, SP, use_tqdm=False)[0]
+    assert text.prompt_token_ids == llm.get_tokenizer().encode("hello there")
+    for bad, match in (({"prompt_token_ids": prompt, "salt": "a"}, r"unknown key\(s\) \['salt'\]"),
+                       ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of"),
+                       ({"cache_salt": "a"}, "exactly one of"),
+                       ({"prompt": "x", "cache_salt": ""}, "non-empty string")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt, bad], SP, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
