@@ -75,7 +75,7 @@ class LLM:
     @staticmethod
     def _prompt_list(prompts) -> tuple[list[str | Sequence[int]], list[str | None]]:
         """The prompts (text or token ids) and their prefix-cache salts; ``ValueError`` for a prompt dict
-        with a key it does not know or without a prompt."""
+        with a key it does not know, with both or neither of text and token ids, or with an empty salt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
