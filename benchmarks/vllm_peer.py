@@ -101,8 +101,8 @@ spans = {name: [] for name in cfg["spans"]}
 scheduled = []
 
 def timed(name):
-    obj = owners[name]
-    method = getattr(obj, "forward" if name == "sampler" else name)
+    obj, attr = owners[name], "forward" if name == "sampler" else name
+    method = getattr(obj, attr)
     def call(*args, **kwargs):
         t = time.perf_counter()
         result = method(*args, **kwargs)
@@ -110,7 +110,7 @@ def timed(name):
         if name == "schedule":
             scheduled.append(result.total_num_scheduled_tokens)
         return result
-    setattr(obj, "forward" if name == "sampler" else name, call)
+    setattr(obj, attr, call)
 
 for name in spans:
     timed(name)

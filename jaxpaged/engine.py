@@ -232,6 +232,8 @@ class LLMEngine:
                      arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Validate one request and build its state without queueing it (raises ``ValueError``)."""
         sp = sampling_params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:

@@ -75,7 +75,7 @@ class LLM:
     @staticmethod
     def _prompt_list(prompts) -> tuple[list[str | Sequence[int]], list[str | None]]:
         """The prompts (text or token ids) and their prefix-cache salts; ``ValueError`` for a prompt dict
-        with a key it does not know, with both or neither of text and token ids, or with an empty salt."""
+        with a key it does not know, or with both or neither of text and token ids."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -89,9 +89,7 @@ class LLM:
                                      f"{sorted(PROMPT_KEYS)}.")
                 if ("prompt" in p) == ("prompt_token_ids" in p):
                     raise ValueError(f"prompt {i}: give exactly one of 'prompt' (text) and 'prompt_token_ids'.")
-                salt = p.get("cache_salt")
-                if salt is not None and (not isinstance(salt, str) or not salt):
-                    raise ValueError(f"prompt {i}: cache_salt must be a non-empty string, got {salt!r}.")
+                salt = p.get("cache_salt")          # checked by LLMEngine.make_request, as every request's
                 p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
             texts.append(p)
             salts.append(salt)

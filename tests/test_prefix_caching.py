@@ -228,5 +228,8 @@ def test_llm_prompt_dicts_carry_a_cache_salt(long_model):
                        ({"prompt": "x", "cache_salt": ""}, "non-empty string")):
         with pytest.raises(ValueError, match=match):
             llm.generate([prompt, bad], SP, use_tqdm=False)
+    for salt in ("", 7):                # the engine's own check, under every way in
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.engine.add_request("direct", prompt, SP, cache_salt=salt)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
