@@ -44,7 +44,10 @@ class EngineArgs:
                                      "model's max_position_embeddings, capped to what the KV cache holds.")
     block_size: int = _arg(8, "Tokens per KV-cache block; a power of two from 1 to 128. 8 (vLLM: 16) wastes half as "
                            "many slots in each sequence's last block, at no measured cost in speed on CPU.")
-    kv_cache_memory: int = _arg(256 * 2**20, "Bytes of device memory for the KV-cache page pool.")
+    kv_cache_memory: int | None = _arg(None, "Bytes of device memory for the KV-cache page pool; default: what "
+                                       "max_num_seqs sequences of max_model_len tokens fill, at most half the "
+                                       "memory free on the device after loading (on CPU: of the host's available "
+                                       "memory, and at most 4 GiB).")
     num_gpu_blocks_override: int | None = _arg(None, "Use exactly this many KV blocks "
                                                "(ignores kv_cache_memory).")
     enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of cached prompt prefixes across requests.")
@@ -108,7 +111,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
-    kv_cache_memory: int
+    kv_cache_memory: int | None
     num_blocks_override: int | None
     enable_prefix_caching: bool
     swap_space: int = 0
@@ -150,7 +153,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {a.max_model_len}.")
         if a.block_size < 1 or a.block_size > 128 or a.block_size & (a.block_size - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {a.block_size}.")
-        if a.kv_cache_memory <= 0:
+        if a.kv_cache_memory is not None and a.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {a.kv_cache_memory}.")
         if a.num_gpu_blocks_override is not None and a.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {a.num_gpu_blocks_override}.")

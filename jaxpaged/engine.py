@@ -36,6 +36,7 @@ from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig, keeps_quantized_blocks
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
+from jaxpaged.kv_cache_size import auto_kv_cache_memory
 from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -169,15 +170,20 @@ class LLMEngine:
         s = model.shape
         # Per device: under tensor parallelism a device holds num_kv_heads / tp heads of every block.
         bytes_per_block = s.num_layers * 2 * cc.block_size * (s.num_kv_heads // tp) * s.head_dim * dtype.itemsize
-        num_blocks = cc.num_blocks_override or cc.kv_cache_memory // bytes_per_block
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={cc.kv_cache_memory} bytes holds {num_blocks} blocks of "
-                             f"{bytes_per_block} bytes; give at least {2 * bytes_per_block} bytes.")
-        pool_tokens = (num_blocks - 1) * cc.block_size
         max_pos = s.max_position_embeddings
         if mc.max_model_len is not None and mc.max_model_len > max_pos:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}; use at most {max_pos}.")
+        kv_memory = cc.kv_cache_memory or auto_kv_cache_memory(
+            bytes_per_block, cc.block_size, sc.max_num_seqs, mc.max_model_len or max_pos,
+            list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1])
+        num_blocks = cc.num_blocks_override or kv_memory // bytes_per_block
+        if num_blocks < 2:
+            budget = (f"kv_cache_memory={kv_memory} bytes" if cc.kv_cache_memory else
+                      f"half the memory free on the device ({kv_memory} bytes)")
+            raise ValueError(f"{budget} holds {num_blocks} blocks of {bytes_per_block} bytes; give at least "
+                             f"{2 * bytes_per_block} bytes (kv_cache_memory).")
+        pool_tokens = (num_blocks - 1) * cc.block_size
         # Unless told otherwise, a sequence may grow as long as the model allows and the pool holds.
         self.max_model_len = mc.max_model_len or min(max_pos, pool_tokens)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
@@ -210,10 +216,11 @@ class LLMEngine:
         self.warmup_time = time.perf_counter() - t0
         if num_precompiled:
             logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
-        logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s)",
+        logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s%s)",
                     mc.model, self.load_time, self.cache_info.num_usable_blocks, cc.block_size,
                     self.cache_info.num_tokens, num_blocks * bytes_per_block / 2**20,
-                    f" per device, {tp} devices" if tp > 1 else "")
+                    f" per device, {tp} devices" if tp > 1 else "",
+                    "" if cc.kv_cache_memory or cc.num_blocks_override else ", sized automatically")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
