@@ -47,6 +47,9 @@ def test_default_pool_takes_at_most_half_the_free_memory(tiny, monkeypatch):
     monkeypatch.setattr(kv_cache_size, "free_bytes", lambda device: block)
     with pytest.raises(ValueError, match=r"half the memory free on the device \(2048 bytes\) holds 0 blocks"):
         _llm(tiny, block_size=8)
+    # A block count given outright asks the devices nothing (in a multi-host engine, no collective).
+    monkeypatch.setattr(kv_cache_size, "free_bytes", lambda device: pytest.fail("free memory queried"))
+    assert _llm(tiny, block_size=8, num_gpu_blocks_override=7).engine.cache_info.num_usable_blocks == 6
 
 
 def test_default_pool_on_cpu_is_at_most_the_cap(tiny, monkeypatch):
