@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from jaxpaged import parallel
@@ -121,8 +121,13 @@ class DataParallelEngine:
         p = config.parallel
         grid = parallel.device_grid(p.tensor_parallel_size, p.data_parallel_size)   # ValueError if too few
         self.config = config
-        self.replicas = [LLMEngine(config, devices=list(row)) for row in grid]
-        first = self.replicas[0]
+        first = LLMEngine(config, devices=list(grid[0]))
+        cc = config.cache
+        if not (cc.kv_cache_memory or cc.num_blocks_override):
+            # The first replica sized its pool from the memory free before it; the later ones would find less
+            # (replicas on CPU devices share the host's): they take its size, so all hold the same sequences.
+            config = replace(config, cache=replace(cc, num_blocks_override=first.cache_info.num_blocks))
+        self.replicas = [first, *(LLMEngine(config, devices=list(row)) for row in grid[1:])]
         self.tokenizer = first.tokenizer
         self.vocab_size = first.vocab_size
         self.max_model_len = first.max_model_len
@@ -130,7 +135,6 @@ class DataParallelEngine:
         self.scheduler = _SchedulerTotals(self.replicas)
         self.cache_info = _CacheTotals(sum(e.cache_info.num_usable_blocks for e in self.replicas),
                                        sum(e.cache_info.num_tokens for e in self.replicas), first.cache_info.block_size)
-        cc = config.cache
         self.router = Router(len(self.replicas), cc.block_size if cc.enable_prefix_caching else None,
                              slack=config.scheduler.max_num_seqs)
         self._replica_of: dict[str, int] = {}

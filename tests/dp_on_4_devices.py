@@ -63,6 +63,19 @@ def test_two_replicas_match_one_engine_and_share_the_load(tiny, prompts, referen
     assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
 
 
+def test_replicas_of_an_automatic_pool_all_take_the_first_ones_size(tiny, monkeypatch):
+    """Each replica would size its pool from the memory free when it starts, which the replicas before it
+    (on CPU devices, all in the host's memory) have taken; every replica gets the first one's pool."""
+    from jaxpaged import kv_cache_size
+
+    block = 4 * 2 * 2 * 2 * 16 * 4                     # block size 4 of the tiny model's float32 K/V
+    free = iter([81 * block, 21 * block, 21 * block])   # less for every later replica
+    monkeypatch.setattr(kv_cache_size, "free_bytes", lambda device: next(free))
+    engine = LLM(str(tiny[0]), data_parallel_size=2, block_size=4, max_num_batched_tokens=64).engine
+    assert [e.cache_info.num_usable_blocks for e in engine.replicas] == [39, 39]     # half of 81 blocks, less the null
+    assert [e.max_model_len for e in engine.replicas] == [39 * 4] * 2 == [engine.max_model_len] * 2
+
+
 def test_prompts_sharing_a_first_block_go_to_the_replica_that_has_it(tiny):
     llm = LLM(str(tiny[0]), data_parallel_size=2, **ENGINE)
     engine = llm.engine
