@@ -169,6 +169,32 @@ def test_corrupt_checkpoint_raises_clear_value_error(case, converted, tmp_path):
         load_checkpoint(str(d))
 
 
+def test_a_failed_restore_waits_for_orbaxs_stray_reads_by_the_clock(converted, tmp_path, monkeypatch):
+    """After a failed restore the loader collects orbax's pending reads for up to 2 s of the clock, however
+    slow each collection is (in a test session's large heap one took seconds, and 200 rounds took minutes)."""
+    from jaxpaged.weights import orbax_checkpoint
+
+    class Clock:
+        now = 0.0
+
+        def monotonic(self):
+            self.now += 0.5                   # every look at the clock: half a second later
+            return self.now
+
+        def sleep(self, seconds):
+            pass
+
+    collections = []
+    monkeypatch.setattr(orbax_checkpoint, "time", Clock())
+    monkeypatch.setattr(orbax_checkpoint.gc, "collect", lambda: collections.append(1))
+    monkeypatch.setattr(orbax_checkpoint, "_is_orbax_read", lambda obj: True)     # never let go
+    d = shutil.copytree(converted[1], tmp_path / "ckpt")
+    _claim_compressed(d)
+    with pytest.raises(ValueError, match="restoring the params failed"):
+        load_checkpoint(str(d))
+    assert 3 <= len(collections) <= 5          # 2 s of a clock that moves 0.5 s a look
+
+
 def test_llm_reports_corrupt_checkpoint(converted, tmp_path):
     d = shutil.copytree(converted[1], tmp_path / "ckpt")
     (d / "params" / "_METADATA").unlink()

@@ -214,13 +214,15 @@ def _restore(params_dir: pathlib.Path, target: Any) -> Any:
     except Exception as e:  # a missing or truncated data file surfaces here, as a tensorstore error
         reason = _reason(e)
     # orbax leaves the failed restore's other reads as pending coroutines, each printing a traceback
-    # when collected (once tensorstore lets go of them): drop them quietly, here, waiting up to 2 s.
+    # when collected (once tensorstore lets go of them): drop them quietly, here, waiting up to 2 s. By the
+    # clock, not by rounds: in a large heap one collection and scan takes seconds (200 rounds took minutes).
     hook = sys.unraisablehook
     sys.unraisablehook = lambda u: None if _is_orbax_read(u.object) else hook(u)
+    deadline = time.monotonic() + 2.0
     try:
-        for _ in range(200):
+        while True:
             gc.collect()
-            if not any(_is_orbax_read(o) for o in gc.get_objects()):
+            if not any(_is_orbax_read(o) for o in gc.get_objects()) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
     finally:
