@@ -182,11 +182,13 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     return q, kv, md, live_bytes, 4 * q_heads * head_dim * visible
 
 
-def _time_call(fn, *args, iters: int) -> float:
-    """Median seconds per call after one warm-up (compile) call."""
+def _time_call(fn, *args, iters: int, min_seconds: float = 0.5) -> float:
+    """Median seconds per call after one warm-up (compile) call: ``iters`` calls, and more until ``min_seconds``
+    have passed, so that a fast kernel's median is of many calls (on a shared 2-core VM five calls of a
+    1-ms kernel spread 2x) while a slow backend (the Pallas interpreter) still takes only ``iters``."""
     fn(*args).block_until_ready()
     times = []
-    for _ in range(iters):
+    while len(times) < iters or sum(times) < min_seconds:
         t = time.perf_counter()
         fn(*args).block_until_ready()
         times.append(time.perf_counter() - t)
@@ -371,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-check", action="store_true", help="compile for TPU/GPU without devices")
     parser.add_argument("--libtpu", help="directory holding the libtpu package (for --compile-check)")
     parser.add_argument("--triton", help="directory holding the triton package (for --compile-check)")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per backend and workload")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed calls per backend and workload, at least; more until 0.5 s of calls")
     parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     parser.add_argument("--quick", action="store_true",
                         help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -403,6 +404,35 @@ def test_kernels_plot_draws_every_backends_time_and_the_kernels_bandwidth(monkey
     assert [b.get_height() for b in ax_bw.patches] == [30.0, 1.7]
     assert not ax_bw.get_lines()
     assert [line.get_ydata()[0] for line in with_peak.axes[1].get_lines()] == [819.0]
+
+
+def test_kernels_time_a_fast_call_many_times_and_a_slow_one_iters_times(monkeypatch):
+    """``_time_call``: at least ``iters`` timed calls after the warm-up, and more until ``min_seconds`` have passed;
+    the median of the timed calls (a fake clock: call k takes k ms)."""
+    from benchmarks import kernels
+
+    class Clock:
+        now, step = 0.0, 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock.now += clock.step * len(calls)
+        return types.SimpleNamespace(block_until_ready=lambda: None)
+
+    monkeypatch.setattr(kernels, "time", clock)
+    clock.step = 1e-3                                     # call k: k ms; 1 + 2 + ... + 31 = 496, + 32 > 500
+    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(17e-3)   # calls 2..32: median 17
+    assert len(calls) == 32
+    calls.clear()
+    clock.step = 1.0                                      # slow: the 5 calls alone pass 0.5 s
+    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(4.0)     # calls 2..6: median 4
+    assert len(calls) == 6
 
 
 def test_plots_are_written_as_png_files(monkeypatch, tmp_path):
