@@ -116,6 +116,11 @@ class CacheConfig:
     enable_prefix_caching: bool
     swap_space: int = 0
 
+    @property
+    def sized_automatically(self) -> bool:
+        """Neither a size nor a block count given: the engine sizes the pool (``jaxpaged.kv_cache_size``)."""
+        return not (self.kv_cache_memory or self.num_blocks_override)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -153,8 +158,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {a.max_model_len}.")
         if a.block_size < 1 or a.block_size > 128 or a.block_size & (a.block_size - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 128, got {a.block_size}.")
-        if a.kv_cache_memory is not None and a.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {a.kv_cache_memory}.")
+        mem = a.kv_cache_memory
+        if mem is not None and (isinstance(mem, bool) or not isinstance(mem, int) or mem <= 0):
+            raise ValueError(f"kv_cache_memory must be a positive whole number of bytes (or None: sized "
+                             f"automatically), got {mem!r}.")
         if a.num_gpu_blocks_override is not None and a.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {a.num_gpu_blocks_override}.")
         if a.max_num_batched_tokens < 1:

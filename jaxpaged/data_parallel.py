@@ -123,7 +123,7 @@ class DataParallelEngine:
         self.config = config
         first = LLMEngine(config, devices=list(grid[0]))
         cc = config.cache
-        if not (cc.kv_cache_memory or cc.num_blocks_override):
+        if cc.sized_automatically:
             # The first replica sized its pool from the memory free before it; the later ones would find less
             # (replicas on CPU devices share the host's): they take its size, so all hold the same sequences.
             config = replace(config, cache=replace(cc, num_blocks_override=first.cache_info.num_blocks))

@@ -174,9 +174,8 @@ class LLMEngine:
         if mc.max_model_len is not None and mc.max_model_len > max_pos:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}; use at most {max_pos}.")
-        auto_size = not (cc.kv_cache_memory or cc.num_blocks_override)
         kv_memory = cc.kv_cache_memory
-        if auto_size:
+        if cc.sized_automatically:
             devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
             kv_memory = auto_kv_cache_memory(bytes_per_block, cc.block_size, sc.max_num_seqs,
                                              mc.max_model_len or max_pos, devices)
@@ -185,7 +184,7 @@ class LLMEngine:
             if cc.num_blocks_override:
                 raise ValueError(f"num_gpu_blocks_override={num_blocks}: the pool needs at least 2 blocks "
                                  f"(block 0 is the reserved null block).")
-            budget = (f"half the memory free on the device ({kv_memory} bytes)" if auto_size else
+            budget = (f"half the memory free on the device ({kv_memory} bytes)" if cc.sized_automatically else
                       f"kv_cache_memory={kv_memory} bytes")
             raise ValueError(f"{budget} holds {num_blocks} blocks of {bytes_per_block} bytes; give at least "
                              f"{2 * bytes_per_block} bytes (kv_cache_memory).")
@@ -226,7 +225,7 @@ class LLMEngine:
                     mc.model, self.load_time, self.cache_info.num_usable_blocks, cc.block_size,
                     self.cache_info.num_tokens, num_blocks * bytes_per_block / 2**20,
                     f" per device, {tp} devices" if tp > 1 else "",
-                    ", sized automatically" if auto_size else "")
+                    ", sized automatically" if cc.sized_automatically else "")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -85,8 +85,8 @@ def test_free_bytes_of_an_accelerator_is_its_allocators_limit_less_its_use():
     assert kv_cache_size.auto_kv_cache_memory(1 << 20, 16, 64, 8192, [big]) == (64 * 512 + 1) << 20
 
 
-@pytest.mark.parametrize("value", [0, -5])
-def test_kv_cache_memory_must_be_positive_or_unset(value):
-    with pytest.raises(ValueError, match="kv_cache_memory must be positive"):
+@pytest.mark.parametrize("value", [0, -5, 2.5e9, True, "1GiB"])
+def test_kv_cache_memory_must_be_positive_bytes_or_unset(value):
+    with pytest.raises(ValueError, match="kv_cache_memory must be a positive whole number of bytes"):
         EngineConfig.from_args(EngineArgs(kv_cache_memory=value))
     assert EngineConfig.from_args(EngineArgs()).cache.kv_cache_memory is None
