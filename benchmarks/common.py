@@ -12,6 +12,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
+COLD_BYTES = 96 << 20
+"""What a benchmark cycles through to time an operand read from memory, as a model step reads it, rather
+than from the last-level cache (3x the 32 MiB L3 of the largest one measured on)."""
 UNDER_LOAD = ("timings measured on a shared 2-core CPU under load from other jobs: compare rows of one run, "
               "not runs of different days")
 

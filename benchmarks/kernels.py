@@ -10,6 +10,17 @@ nothing about GPU/TPU speed; ``cpu`` is the native C++ kernel. The table adds th
 kernel's (``cpu`` or ``pallas``) achieved GB/s of live K/V and queries and its attention GFLOP/s;
 on a GPU/TPU also the share of the HBM peak. ``--quick`` leaves out the slow backends (the jnp
 reference, and the Pallas interpreter on CPU).
+
+The pages come from memory, as in a model step, where each layer's attention reads pages that the
+other layers' work has long evicted from the caches: the pool holds enough layers of pages
+(``layers``, at least ``COLD_BYTES`` of them) and each call reads the next layer; each row's pages
+are one run of consecutive blocks, as the engine's block pool hands them out. ``--hot`` times one
+layer's pages called again and again, which stay in the last-level cache when they fit (the kernel's
+arithmetic and loop without memory stalls), ``--scattered`` block ids shuffled over the pool (tables
+after much churn). A prefill chunk's own keys were written just before its attention in a step, so
+its figure from memory is a bound; ``--hot`` is closer there. On the 2-core Zen 4 (three alternating
+runs), decode 64 x 256 read 23-28 GB/s from memory, 22-23 scattered, 33-36 hot: a model step sees
+the first (21-25 GB/s in SmolLM2's decode steps, from a profile).
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import COLD_BYTES
 
 # ----------------------------------------------------------------------------- roofline
 
@@ -151,8 +164,12 @@ def _peak_bandwidth(device_kind: str) -> float | None:
 
 
 def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
-           dtype, seed: int = 0):
-    """Device arrays for one ragged batch (shuffled block ids, a pool with a few spare blocks)."""
+           dtype, seed: int = 0, cold: bool = False, scattered: bool = False):
+    """Device arrays for one ragged batch (a pool with a few spare blocks). ``scattered``: the block ids
+    shuffled over the pool; else each row's pages one run of consecutive ids, the rows one after another,
+    as the engine's block pool lays out the tables of sequences admitted together. ``cold``: the pool holds
+    at least ``COLD_BYTES`` of layers (each with the same pages), for calls that each read the next layer
+    from memory; else one layer."""
     import jax.numpy as jnp
 
     from pallas_kernels.metadata import AttentionMetadata, build_prefill_tiles, num_prefill_tiles
@@ -162,7 +179,7 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     ctx = np.array([r[1] for r in rows], np.int32)
     pages = -(-ctx // block_size)
     num_blocks = int(pages.sum()) + 8
-    ids = rng.permutation(num_blocks).astype(np.int32)
+    ids = rng.permutation(num_blocks).astype(np.int32) if scattered else np.arange(1, num_blocks, dtype=np.int32)
     bt = np.zeros((len(rows), int(pages.max())), np.int32)
     offsets = np.concatenate([[0], np.cumsum(pages)])
     for r in range(len(rows)):
@@ -174,7 +191,9 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
         slot_mapping=jnp.full((T,), -1, jnp.int32), block_tables=jnp.asarray(bt),
         seq_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl), tile_row=jnp.asarray(tiles[0]),
         tile_start=jnp.asarray(tiles[1]), tile_len=jnp.asarray(tiles[2]), tile_size=32)
-    kv = jnp.asarray(rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, head_dim)), dtype)
+    one_layer = rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    layers = max(1, -(-COLD_BYTES // (one_layer.size * jnp.dtype(dtype).itemsize))) if cold else 1
+    kv = jnp.asarray(np.broadcast_to(one_layer, (layers, *one_layer.shape[1:])), dtype)
     q = jnp.asarray(rng.standard_normal((T, q_heads, head_dim)), dtype)
     live_bytes = int(ctx.sum()) * 2 * kv_heads * head_dim * kv.dtype.itemsize + 2 * q.nbytes
     # QK^T and PV: 4 * Hq * D per (query token, visible key); token i of a chunk of n sees ctx - n + i + 1 keys.
@@ -182,20 +201,31 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     return q, kv, md, live_bytes, 4 * q_heads * head_dim * visible
 
 
-def _time_call(fn, *args, iters: int, min_seconds: float = 0.5) -> float:
-    """Median seconds per call after one warm-up (compile) call: ``iters`` calls, and more until ``min_seconds``
-    have passed, so that a fast kernel's median is of many calls (on a shared 2-core VM five calls of a
-    1-ms kernel spread 2x) while a slow backend (the Pallas interpreter) still takes only ``iters``."""
-    fn(*args).block_until_ready()
+def _time_call(call, iters: int, min_seconds: float = 0.5) -> float:
+    """Median seconds of ``call(i)``, the ``i``-th call, after one warm-up (compile) call ``call(0)``: ``iters``
+    calls, and more until ``min_seconds`` have passed, so that a fast kernel's median is of many calls (on a
+    shared 2-core VM five calls of a 1-ms kernel spread 2x) while a slow backend (the Pallas interpreter)
+    still takes only ``iters``."""
+    call(0).block_until_ready()
     times = []
     while len(times) < iters or sum(times) < min_seconds:
         t = time.perf_counter()
-        fn(*args).block_until_ready()
+        call(len(times) + 1).block_until_ready()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
-def time_backends(iters: int, quick: bool, block_size: int) -> list[dict]:
+def _each_layer_in_turn(fn, q, kv, md):
+    """``call(i)`` for ``_time_call``: ``fn`` on layer ``i`` of the pool ``kv``, cycling over its layers (the
+    layer ids made on the device once, so no call pays a host transfer for its own)."""
+    import jax.numpy as jnp
+
+    layer_ids = [jnp.int32(layer) for layer in range(kv.shape[0])]
+    return lambda i: fn(q, kv, layer_ids[i % len(layer_ids)], md)
+
+
+def time_backends(iters: int, quick: bool, block_size: int, hot: bool = False,
+                  scattered: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -228,7 +258,12 @@ def time_backends(iters: int, quick: bool, block_size: int) -> list[dict]:
         print("CPU: cpu is the native C++ kernel (the default CPU backend); pallas_interpret is the Pallas "
               "kernel run by the interpreter, its timings are not "
               "representative of GPU/TPU kernels.")
-    header = f"{'workload':<12}{'rows':>6}{'context':>8}  " + "".join(f"{b:>18}" for b in backends)
+    print(("pages from one layer called again and again (--hot)" if hot else
+           f"pages from memory: each call reads the next of `layers` layers of pages (at least "
+           f"{COLD_BYTES >> 20} MiB), as a model step does") +
+          ("; block ids shuffled over the pool (--scattered)" if scattered else
+           "; each row's pages one run of consecutive blocks, as the engine allocates them"))
+    header = f"{'workload':<12}{'rows':>6}{'context':>8}{'layers':>8}  " + "".join(f"{b:>18}" for b in backends)
     if kernel is not None:
         header += f"    {kernel} GB/s" + (" (% of peak)" if peak else "") + "  GFLOP/s"
     print(header)
@@ -240,20 +275,21 @@ def time_backends(iters: int, quick: bool, block_size: int) -> list[dict]:
             rows = [(context, context)]
         else:
             rows = [(1, context)] * batch + [(448, 448)]
-        q, kv, md, live_bytes, flops = _batch(rows, dtype=dtype, **shapes)
+        q, kv, md, live_bytes, flops = _batch(rows, dtype=dtype, cold=not hot, scattered=scattered, **shapes)
+        layers = kv.shape[0]
         cells = []
         results.append({"platform": platform, "device": device.device_kind, "workload": kind, "batch": batch,
-                        "context": context, "live_bytes": live_bytes, "attention_flops": flops, "ms": {},
-                        "kernel": kernel, "peak_gb_s": peak / 1e9 if peak else None})
+                        "context": context, "layers": layers, "live_bytes": live_bytes, "attention_flops": flops,
+                        "ms": {}, "kernel": kernel, "peak_gb_s": peak / 1e9 if peak else None})
         for backend in backends:
             if backend == "reference":
                 fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
             else:
                 fn = jax.jit(functools.partial(paged_attention, backend=backend, scale=0.125))
-            sec = _time_call(fn, q, kv, jnp.int32(0), md, iters=iters)
+            sec = _time_call(_each_layer_in_turn(fn, q, kv, md), iters=iters)
             cells.append(f"{sec * 1e3:>15.3f} ms")
             results[-1]["ms"][backend] = sec * 1e3
-        line = f"{kind:<12}{batch:>6}{context:>8}  " + "".join(cells)
+        line = f"{kind:<12}{batch:>6}{context:>8}{layers:>8}  " + "".join(cells)
         if kernel is not None:
             sec = results[-1]["ms"][kernel] / 1e3
             gbs = live_bytes / sec / 1e9
@@ -378,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
     parser.add_argument("--quick", action="store_true",
                         help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)")
+    parser.add_argument("--hot", action="store_true",
+                        help="call each workload on one layer's pages, kept in cache (default: from memory)")
+    parser.add_argument("--scattered", action="store_true",
+                        help="shuffle the block ids over the pool (default: each row's pages one run)")
     args = parser.parse_args(argv)
     if args.roofline:
         print(ridge_points())
@@ -386,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compile_check:
         return 1 if compile_check(args.libtpu, args.triton) else 0
-    rows = time_backends(args.iters, args.quick, args.block_size)
+    rows = time_backends(args.iters, args.quick, args.block_size, hot=args.hot, scattered=args.scattered)
     from benchmarks.common import write_json
 
     write_json("kernels", {"args": vars(args), "rows": rows})

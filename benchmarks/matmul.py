@@ -8,7 +8,7 @@ weight is a random one quantized that way, so every variant multiplies the same 
 in this one process,
 alternating the variants call by call, and reports the median ms, GFLOP/s and GB/s of weights
 (weight bytes / time: the streaming rate that bounds small M); the JSON also has the fastest call. ``--cold`` cycles through enough
-copies of each weight (>= 96 MiB) that the weights come from memory, not the 32 MiB L3, as they do
+copies of each weight (>= ``COLD_BYTES``) that the weights come from memory, not the 32 MiB L3, as they do
 when a model's layers run one after another.
 """
 
@@ -22,7 +22,6 @@ import time
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))
 MS = (1, 8, 32, 64, 128, 256, 512)
-COLD_BYTES = 96 << 20
 
 
 def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
@@ -106,6 +105,8 @@ def _block(y):
 
 def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
     import numpy as np
+
+    from benchmarks.common import COLD_BYTES
 
     rng = np.random.default_rng(0)
     rows = []

@@ -420,19 +420,48 @@ def test_kernels_time_a_fast_call_many_times_and_a_slow_one_iters_times(monkeypa
     clock = Clock()
     calls = []
 
-    def fn():
-        calls.append(1)
+    def fn(i):
+        calls.append(i)
         clock.now += clock.step * len(calls)
         return types.SimpleNamespace(block_until_ready=lambda: None)
 
     monkeypatch.setattr(kernels, "time", clock)
     clock.step = 1e-3                                     # call k: k ms; 1 + 2 + ... + 31 = 496, + 32 > 500
     assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(17e-3)   # calls 2..32: median 17
-    assert len(calls) == 32
+    assert calls == list(range(32))                       # the warm-up, then the timed calls, numbered in turn
     calls.clear()
     clock.step = 1.0                                      # slow: the 5 calls alone pass 0.5 s
     assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(4.0)     # calls 2..6: median 4
     assert len(calls) == 6
+
+
+def test_kernels_read_each_layer_of_a_pool_past_the_caches_in_turn():
+    """By default each timed call reads the next layer of a pool of at least ``COLD_BYTES`` (its pages come from
+    memory, as in a model step), and no more layers than that needs, each row's pages one run of consecutive
+    blocks (as the engine allocates them); ``--hot`` one layer, called again and again; ``--scattered``
+    shuffled block ids. Every layer holds the same pages."""
+    import jax.numpy as jnp
+
+    from benchmarks import kernels
+    from benchmarks.common import COLD_BYTES
+
+    shapes = dict(block_size=8, q_heads=9, kv_heads=3, head_dim=64, dtype=jnp.float32)
+    rows = [(1, 100), (1, 37)]
+    hot = kernels._batch(rows, **shapes)[1]
+    q, kv, md, _, _ = kernels._batch(rows, cold=True, **shapes)
+    assert hot.shape[0] == 1 and kv.shape[1:] == hot.shape[1:]
+    layer_bytes = hot.nbytes
+    assert kv.nbytes >= COLD_BYTES > kv.nbytes - layer_bytes          # enough layers, and no more
+    assert bool((kv[-1] == hot[0]).all())
+    tables = np.asarray(md.block_tables)                             # the engine's layout: one run per row
+    assert tables[0].tolist() == list(range(1, 14)) and tables[1, :5].tolist() == list(range(14, 19))
+    shuffled = np.asarray(kernels._batch(rows, scattered=True, **shapes)[2].block_tables)
+    assert sorted(shuffled[0].tolist() + shuffled[1, :5].tolist()) != shuffled[0].tolist() + shuffled[1, :5].tolist()
+    seen = []
+    call = kernels._each_layer_in_turn(lambda q_, kv_, layer, md_: seen.append(int(layer)), q, kv, md)
+    for i in range(kv.shape[0] + 2):
+        call(i)
+    assert seen == [*range(kv.shape[0]), 0, 1]
 
 
 def test_plots_are_written_as_png_files(monkeypatch, tmp_path):
