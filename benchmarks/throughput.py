@@ -12,6 +12,10 @@ rounds; ratios are jaxpaged over the peer, dtype for dtype.
 Writes ``benchmarks/results/throughput.json`` and ``throughput.png``: each system's useful output tok/s, with
 10x HF's figure and the float32 ceiling (``--ceiling``) as lines.
 
+``--hf-pairs K`` then runs K rounds of jaxpaged and HF taking turns and prints each pair's ratio and their median:
+the runs above go one system after another, so a drift of the machine's speed between them (10-25% within an
+hour on a shared 2-core VM) moves the single ratio; alternating pairs share it.
+
 ``--workload chat`` runs the workload's real-text variant (the same lengths, prompts that are chat conversations in
 English, templated by the model's tokenizer) on every system.
 
@@ -38,20 +42,12 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
     import jax
     import numpy as np
 
-    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import LLM
 
     t0 = time.perf_counter()
     llm = LLM(**engine_args)
     load_s = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    runs = []
-    for k in range(rounds):
-        # A prefix-cache salt per round: no round finds the prompts of the one before cached.
-        prompts = [{"prompt_token_ids": r.prompt_token_ids, "cache_salt": f"round-{k}"} for r in reqs]
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - t)
-        assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
+    runs = [jaxpaged_round(llm, reqs, f"round-{k}") for k in range(rounds)]
     e = llm.engine
     quantized = sum(a.dtype == np.uint8 for a in jax.tree_util.tree_leaves(e.runner.model.params))
     k = engine_args.get("num_scheduler_steps", 1)
@@ -61,6 +57,20 @@ def run_jaxpaged(reqs: list[WorkloadRequest], engine_args: dict, rounds: int) ->
     return {"system": name, "quantized_weights": quantized, "load_s": load_s, "warmup_s": e.warmup_time,
             "seconds": runs, "compiled_programs": e.runner.num_compiled_programs,
             "preemptions": e.scheduler.num_preemptions, "model_config": e.runner.model.module.cfg}
+
+
+def jaxpaged_round(llm, reqs: list[WorkloadRequest], salt: str) -> float:
+    """Seconds of one timed ``llm.generate`` of the workload, under prefix-cache salt ``salt`` (one per round:
+    no round finds the prompts of the one before cached)."""
+    from jaxpaged import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids, "cache_salt": salt} for r in reqs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in reqs]
+    return seconds
 
 
 def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
@@ -77,9 +87,8 @@ def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[
     return list(kept.values())
 
 
-def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> dict:
-    """Static batching: each batch is left-padded to its longest prompt and generates until its
-    longest output; only the requested output tokens count as useful."""
+def load_hf(model: str):
+    """The model in Hugging Face transformers, float32, EOS ignored (every request generates its full length)."""
     import torch
     import transformers
 
@@ -90,25 +99,51 @@ def run_hf(reqs: list[WorkloadRequest], batch_sizes: list[int], model: str) -> d
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32,
                                                            **kw).eval()
     hf.generation_config.eos_token_id = None
+    return hf
+
+
+def hf_static_seconds(hf, reqs: list[WorkloadRequest], batch_size: int) -> float:
+    """Seconds of static batching: each batch is left-padded to its longest prompt and generates until its
+    longest output; only the requested output tokens count as useful."""
+    import torch
+
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            ids[j, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, longest - len(r.prompt_token_ids):] = 1
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                        max_new_tokens=max(r.output_len for r in batch), min_new_tokens=None)
+    return time.perf_counter() - t
+
+
+def run_hf(hf, reqs: list[WorkloadRequest], batch_sizes: list[int]) -> dict:
+    """HF's static batching at each batch size; its figure is the best one's."""
     best = None
     for bs in batch_sizes:
-        t = time.perf_counter()
-        for i in range(0, len(reqs), bs):
-            batch = reqs[i:i + bs]
-            longest = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.zeros((len(batch), longest), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, r in enumerate(batch):
-                ids[j, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[j, longest - len(r.prompt_token_ids):] = 1
-            with torch.no_grad():
-                hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
-                            max_new_tokens=max(r.output_len for r in batch), min_new_tokens=None)
-        seconds = time.perf_counter() - t
+        seconds = hf_static_seconds(hf, reqs, bs)
         print(f"  hf static batch {bs}: {seconds:.1f} s")
         if best is None or seconds < best["seconds"][0]:
-            best = {"system": f"hf-static(batch={bs})", "seconds": [seconds]}
+            best = {"system": f"hf-static(batch={bs})", "batch_size": bs, "seconds": [seconds]}
     return best
+
+
+def alternate(first, second, pairs: int) -> list[tuple[float, float]]:
+    """``pairs`` rounds of ``first(k)`` then ``second(k)``, each returning seconds: A and B take turns, so that a
+    drift of the machine's speed (a 2-core VM's moves 10-25% within an hour) reaches both alike."""
+    return [(first(k), second(k)) for k in range(pairs)]
+
+
+def paired_ratios(reqs: list[WorkloadRequest], peer_reqs: list[WorkloadRequest],
+                  pairs: list[tuple[float, float]]) -> list[float]:
+    """Each pair's useful output tok/s of jaxpaged (``reqs``, first) over the peer's (``peer_reqs``, second)."""
+    ours, theirs = sum(r.output_len for r in reqs), sum(r.output_len for r in peer_reqs)
+    return [(ours / a) / (theirs / b) for a, b in pairs]
 
 
 def run_vllm(reqs: list[WorkloadRequest], args, dtype: str) -> dict:
@@ -189,10 +224,16 @@ def main() -> None:
     ap.add_argument("--peer", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
     ap.add_argument("--hf-batch-sizes", default="1,8,32", help="HF's figure is its best batch size")
+    ap.add_argument("--hf-pairs", type=int, default=0,
+                    help="with --peer hf, then this many rounds of jaxpaged (its first float32 engine) and HF at its "
+                         "best batch size taking turns: each pair's ratio and their median, which the machine's "
+                         "drift between the runs above does not skew")
     ap.add_argument("--ceiling", action="store_true",
                     help="also measure the CPU's float32 fused multiply-add peak and print the workload's "
                          "useful output tok/s at that peak (needs a C++ compiler)")
     args = ap.parse_args()
+    if args.hf_pairs < 0 or (args.hf_pairs and "hf" not in args.peer):
+        ap.error(f"--hf-pairs {args.hf_pairs}: give a count of at least 1, and --peer hf")
 
     reqs = requests(args.workload, args.n, args.seed, args.model)
     dtypes = args.dtypes.split(",")
@@ -221,9 +262,11 @@ def main() -> None:
             for row in (o for o in ours if o["dtype"] == r["dtype"]):
                 ratio = r["ratios_jaxpaged_over_peer"][row["system"]] = row["output_tok_per_s"] / r["output_tok_per_s"]
                 print(f"ratio {row['system']} / {r['system']} (useful output tok/s): {ratio:.2f}x")
+    pairs = None
     if "hf" in args.peer:
         peer_reqs = reqs[:args.peer_n]
-        hf = run_hf(peer_reqs, [int(b) for b in args.hf_batch_sizes.split(",")], args.model)
+        hf_model = load_hf(args.model)
+        hf = run_hf(hf_model, peer_reqs, [int(b) for b in args.hf_batch_sizes.split(",")])
         print(HEADER)
         hf_row = report(hf["system"], peer_reqs, hf["seconds"][0], cfg)
         rows.append(hf_row)
@@ -231,6 +274,8 @@ def main() -> None:
             row["ratio_over_hf_float32"] = row["output_tok_per_s"] / hf_row["output_tok_per_s"]
             print(f"ratio {row['system']} / HF float32 static batching (useful output tok/s): "
                   f"{row['ratio_over_hf_float32']:.1f}x")
+        if args.hf_pairs:
+            pairs = run_hf_pairs(args, reqs, peer_reqs, hf_model, hf["batch_size"])
     ceiling = float32_ceiling(reqs, cfg) if args.ceiling else None
     if ceiling:
         print(f"float32 ceiling: the workload's model arithmetic at the CPU's fused multiply-add peak "
@@ -241,8 +286,30 @@ def main() -> None:
         if "hf" in args.peer:
             print(f"10x HF float32 static batching = {10 * hf_row['output_tok_per_s']:.1f} useful output tok/s, "
                   f"{10 * hf_row['output_tok_per_s'] / ceiling['output_tok_per_s']:.0%} of the float32 ceiling")
-    write_json("throughput", {"args": vars(args), "rows": rows, "float32_ceiling": ceiling})
+    write_json("throughput", {"args": vars(args), "rows": rows, "float32_ceiling": ceiling, "hf_pairs": pairs})
     plot(rows, ceiling)
+
+
+def run_hf_pairs(args, reqs: list[WorkloadRequest], peer_reqs: list[WorkloadRequest], hf_model,
+                 batch_size: int) -> dict:
+    """``--hf-pairs``: rounds of jaxpaged's first engine (float32 if the run has it) and HF at its best batch
+    size taking turns; each pair's ratio of useful output tok/s and their median."""
+    from jaxpaged import LLM
+
+    dtype = "float32" if "float32" in args.dtypes.split(",") else args.dtypes.split(",")[0]
+    dtype, quantization = distinct_engines([dtype], args.quantization.split(","))[0]
+    llm = LLM(**workload_engine_args(args, dtype, enable_prefix_caching=args.prefix_caching,
+                                     quantization=quantization, num_scheduler_steps=args.num_scheduler_steps))
+    seconds = alternate(lambda k: jaxpaged_round(llm, reqs, f"pair-{k}"),
+                        lambda k: hf_static_seconds(hf_model, peer_reqs, batch_size), args.hf_pairs)
+    ratios = paired_ratios(reqs, peer_reqs, seconds)
+    for k, ((a, b), ratio) in enumerate(zip(seconds, ratios)):
+        print(f"pair {k}: jaxpaged ({dtype}, quantization={quantization}) {a:.1f} s, HF (batch {batch_size}) "
+              f"{b:.1f} s: {ratio:.1f}x")
+    median = statistics.median(ratios)
+    print(f"jaxpaged / HF float32 static batching, median of {len(ratios)} alternating pairs: {median:.1f}x")
+    return {"dtype": dtype, "quantization": quantization, "hf_batch_size": batch_size, "seconds": seconds,
+            "ratios": ratios, "median_ratio": median}
 
 
 def plot(rows: list[dict], ceiling: dict | None) -> Path:

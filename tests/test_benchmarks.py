@@ -787,3 +787,30 @@ def test_throughput_rounds_never_find_the_round_befores_prompts_cached(tiny, mon
     stats = made[0].engine.kv_cache_manager.stats
     assert len(res["seconds"]) == 2
     assert stats.queries == 2 * sum(len(r.prompt_token_ids) for r in reqs) and stats.hits == 0
+
+
+def test_throughput_hf_pairs_take_turns_and_compare_each_pair_in_useful_tokens():
+    """``--hf-pairs``: jaxpaged's and HF's rounds alternate (a drift of the machine reaches both alike), and
+    each pair's ratio is jaxpaged's useful output tok/s over HF's, each on its own requests."""
+    order = []
+
+    def timed(name, seconds):
+        return lambda k: order.append((name, k)) or seconds[k]
+
+    pairs = throughput.alternate(timed("jaxpaged", [2.0, 4.0, 3.0]), timed("hf", [10.0, 10.0, 30.0]), 3)
+    assert order == [("jaxpaged", 0), ("hf", 0), ("jaxpaged", 1), ("hf", 1), ("jaxpaged", 2), ("hf", 2)]
+    assert pairs == [(2.0, 10.0), (4.0, 10.0), (3.0, 30.0)]
+    ours = synthetic(6, seed=1, vocab_size=300, prompt_mean=20, output_mean=4, max_total=64)
+    theirs = ours[:2]
+    out_ours, out_theirs = sum(r.output_len for r in ours), sum(r.output_len for r in theirs)
+    ratios = throughput.paired_ratios(ours, theirs, pairs)
+    assert ratios == pytest.approx([(out_ours / a) / (out_theirs / b) for a, b in pairs])
+    assert ratios[0] == pytest.approx(5 * out_ours / out_theirs)     # 5x faster per token set
+
+
+@pytest.mark.parametrize("argv", [["--hf-pairs", "2"], ["--hf-pairs", "-1", "--peer", "hf"]])
+def test_throughput_hf_pairs_needs_the_hf_peer_and_a_count(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["throughput", *argv])
+    with pytest.raises(SystemExit):
+        throughput.main()
+    assert "--hf-pairs" in capsys.readouterr().err
