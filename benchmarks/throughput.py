@@ -204,6 +204,12 @@ def workload_engine_args(args: argparse.Namespace, dtype: str, **more) -> dict:
                 kv_cache_memory=args.kv_cache_gib << 30, **more)
 
 
+def engine_args(args: argparse.Namespace, dtype: str, quantization: str) -> dict:
+    """The ``LLM`` arguments of this benchmark's engine for one dtype and quantization."""
+    return workload_engine_args(args, dtype, enable_prefix_caching=args.prefix_caching, quantization=quantization,
+                                num_scheduler_steps=args.num_scheduler_steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(ap)
@@ -240,8 +246,7 @@ def main() -> None:
     rows, runs = [], []
     quantizations = args.quantization.split(",")
     for dtype, quantization in distinct_engines(dtypes, quantizations):
-        run = workload_engine_args(args, dtype, enable_prefix_caching=args.prefix_caching, quantization=quantization,
-                                   num_scheduler_steps=args.num_scheduler_steps)
+        run = engine_args(args, dtype, quantization)
         res = {**run_jaxpaged(reqs, run, args.rounds), "dtype": dtype}
         print(f"{res['system']}: load {res['load_s']:.1f} s (of which precompile {res['warmup_s']:.1f} s), "
               f"{res['compiled_programs']} compiled step programs, {res['preemptions']} preemptions, "
@@ -298,8 +303,7 @@ def run_hf_pairs(args, reqs: list[WorkloadRequest], peer_reqs: list[WorkloadRequ
 
     dtype = "float32" if "float32" in args.dtypes.split(",") else args.dtypes.split(",")[0]
     dtype, quantization = distinct_engines([dtype], args.quantization.split(","))[0]
-    llm = LLM(**workload_engine_args(args, dtype, enable_prefix_caching=args.prefix_caching,
-                                     quantization=quantization, num_scheduler_steps=args.num_scheduler_steps))
+    llm = LLM(**engine_args(args, dtype, quantization))
     seconds = alternate(lambda k: jaxpaged_round(llm, reqs, f"pair-{k}"),
                         lambda k: hf_static_seconds(hf_model, peer_reqs, batch_size), args.hf_pairs)
     ratios = paired_ratios(reqs, peer_reqs, seconds)
