@@ -814,3 +814,21 @@ def test_throughput_hf_pairs_needs_the_hf_peer_and_a_count(argv, monkeypatch, ca
     with pytest.raises(SystemExit):
         throughput.main()
     assert "--hf-pairs" in capsys.readouterr().err
+
+
+def test_throughput_hf_warms_up_before_its_timed_passes():
+    """HF's first pass is untimed and short (a few tokens of the first requests at the largest batch size), so
+    that torch's first-call costs do not land in a timed pass, as jaxpaged's land in its start-up."""
+    calls = []
+
+    class FakeHF:
+        def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+            calls.append((input_ids.shape[0], max_new_tokens))
+
+    reqs = synthetic(5, seed=1, vocab_size=300, prompt_mean=20, output_mean=8, max_total=64)
+    best = throughput.run_hf(FakeHF(), reqs, [1, 4])
+    longest = lambda batch: max(r.output_len for r in batch)          # noqa: E731
+    warm = min(longest(reqs[:4]), throughput.HF_WARMUP_TOKENS)
+    assert calls[0] == (4, warm) and warm < longest(reqs[:4])
+    assert calls[1:] == [(1, r.output_len) for r in reqs] + [(4, longest(reqs[:4])), (1, reqs[4].output_len)]
+    assert best["batch_size"] in (1, 4)
