@@ -241,7 +241,8 @@ def main() -> None:
     ap.add_argument("--peer-n", type=int, default=16, help="requests for the (slow) HF peer")
     ap.add_argument("--hf-batch-sizes", default="1,8,32", help="HF's figure is its best batch size")
     ap.add_argument("--hf-pairs", type=int, default=0,
-                    help="with --peer hf, then this many rounds of jaxpaged (its first float32 engine) and HF at its "
+                    help="with --peer hf, then this many rounds of jaxpaged (its first float32 engine, or the first "
+                         "dtype's if the run has no float32) and HF at its "
                          "best batch size taking turns: each pair's ratio and their median, which the machine's "
                          "drift between the runs above does not skew")
     ap.add_argument("--ceiling", action="store_true",
@@ -308,7 +309,9 @@ def main() -> None:
 def run_hf_pairs(args, reqs: list[WorkloadRequest], peer_reqs: list[WorkloadRequest], hf_model,
                  batch_size: int) -> dict:
     """``--hf-pairs``: rounds of jaxpaged's first engine (float32 if the run has it) and HF at its best batch
-    size taking turns; each pair's ratio of useful output tok/s and their median."""
+    size taking turns; each pair's ratio of useful output tok/s and their median. The engine is loaded again
+    (~10 s): the runs above drop each engine before the next loads, so that one KV pool at a time holds
+    ``--kv-cache-gib`` of memory, also while vLLM runs."""
     from jaxpaged import LLM
 
     dtype = "float32" if "float32" in args.dtypes.split(",") else args.dtypes.split(",")[0]
