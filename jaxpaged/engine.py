@@ -32,7 +32,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpaged import parallel
+from jaxpaged import host_memory, parallel
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig, keeps_quantized_blocks
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
@@ -175,10 +175,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}; use at most {max_pos}.")
         kv_memory = cc.kv_cache_memory
+        group = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         if cc.sized_automatically:
-            devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
             kv_memory = auto_kv_cache_memory(bytes_per_block, cc.block_size, sc.max_num_seqs,
-                                             mc.max_model_len or max_pos, devices)
+                                             mc.max_model_len or max_pos, group)
         num_blocks = cc.num_blocks_override or kv_memory // bytes_per_block
         if num_blocks < 2:
             if cc.num_blocks_override:
@@ -219,6 +219,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         num_precompiled = self.runner.precompile(num_steps=sc.num_scheduler_steps) if config.precompile else 0
         self.warmup_time = time.perf_counter() - t0
+        if group[0].platform == "cpu":
+            # After loading, so that the load's temporaries went back to the system.
+            host_memory.keep_freed_memory()
         if num_precompiled:
             logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
         logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s%s)",
