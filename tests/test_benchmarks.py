@@ -150,11 +150,34 @@ def test_overhead_phases_partition_the_step(tiny):
         # One thread's CPU time: within the step's, and no more than the wall time of the host phases.
         assert 0 <= t.wait_cpu <= t.step_cpu and 0 <= t.host_cpu <= t.host + 1e-4
     row = overhead.summarize(timings, device_only)
-    assert set(row) == {*overhead.PHASES, "host", "host_cpu", "step", "device_only", "exposed"}
+    assert set(row) == {*overhead.PHASES, "host", "host_cpu", "step", "device_only", "exposed", "page_faults"}
     assert row["host"] <= row["step"] + 1e-9 and row["exposed"] == pytest.approx(row["step"] - row["device_only"])
     # The wrappers are gone and the requests aborted.
     assert "schedule" not in vars(engine.scheduler) and "launch" not in vars(engine.runner)
     assert not engine.has_unfinished_requests()
+
+
+def test_overhead_counts_the_page_faults_of_each_step(tiny, monkeypatch):
+    """A step that touches 256 freshly mapped pages faults at least 256 times (per decode step: a group
+    of 4 counts a quarter of them per decode step)."""
+    import mmap
+
+    engine = _engine(tiny[0], num_scheduler_steps=4)
+    step, pages = engine.step, 256
+
+    def faulting_step():
+        outputs = step()
+        with mmap.mmap(-1, pages * mmap.PAGESIZE) as fresh:
+            for i in range(pages):
+                fresh[i * mmap.PAGESIZE] = 1
+        return outputs
+
+    monkeypatch.setattr(engine, "step", faulting_step)
+    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
+    assert min(t.page_faults for t in timings) >= pages
+    row = overhead.summarize(timings, device_only)
+    assert row["page_faults"] * 4 == sorted(t.page_faults for t in timings)[1]
 
 
 def test_overhead_counts_a_group_as_its_decode_steps(tiny):
