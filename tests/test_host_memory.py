@@ -47,6 +47,28 @@ def test_keep_freed_memory_reuses_a_freed_buffer():
     assert after <= before // 10
 
 
+def test_keep_freed_memory_still_gives_back_a_freed_pool():
+    """A freed block past ``TRIM_THRESHOLD`` at the heap's top (a KV pool of an engine gone) goes back to
+    the system, so the process does not keep its peak: resident memory falls back after the free."""
+    script = ("import ctypes\n"
+              "from test_host_memory import _libc\n"
+              "from jaxpaged import host_memory\n"
+              "def resident():\n"
+              "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+              "host_memory.keep_freed_memory()\n"
+              "size = host_memory.TRIM_THRESHOLD + (256 << 20)\n"
+              "p = _libc.malloc(size)\n"
+              "_libc.memset(p, 1, size)\n"
+              "held = resident()\n"
+              "_libc.free(p)\n"
+              "print(size, held, resident())\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                         text=True, check=True).stdout.split()
+    size, held, after = map(int, out)
+    assert held >= size
+    assert after <= held - size + (64 << 20)
+
+
 def test_a_cpu_engine_keeps_freed_memory(tiny):
     """Building an engine on the CPU backend sets the policy: a big buffer's second cycle is reused."""
     LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), max_model_len=64, num_gpu_blocks_override=32,
