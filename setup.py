@@ -37,7 +37,7 @@ def _native_extension(name: str) -> Extension:
     # -ffp-contract=off: the compiler may not fuse a plain a * b + c into one rounding (GCC does by default
     # in C++), so elementwise kernels round as torch does; the kernels' fused multiply-adds are explicit.
     return Extension(
-        f"pallas_kernels.{name}",
+        f"jaxpaged.kernels.{name}",
         sources=[f"pallas_kernels/csrc/{name.lstrip('_')}.cc"],
         depends=["pallas_kernels/csrc/bf16.h", "pallas_kernels/csrc/vec16.h", "pallas_kernels/csrc/stacked.h"],
         include_dirs=[_ffi_include_dir()],

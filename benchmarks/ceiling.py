@@ -70,7 +70,7 @@ def chain_gflops(m: int, iters: int = 9) -> float:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.cpu_matmul import matmul, pack_weight
+    from jaxpaged.kernels.cpu_matmul import matmul, pack_weight
 
     rng = np.random.default_rng(0)
     layer_shapes = SHAPES[:4]

@@ -172,7 +172,7 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     from memory; else one layer."""
     import jax.numpy as jnp
 
-    from pallas_kernels.metadata import AttentionMetadata, build_prefill_tiles, num_prefill_tiles
+    from jaxpaged.kernels.metadata import AttentionMetadata, build_prefill_tiles, num_prefill_tiles
 
     rng = np.random.default_rng(seed)
     q_lens = np.array([r[0] for r in rows], np.int32)
@@ -229,15 +229,15 @@ def time_backends(iters: int, quick: bool, block_size: int, hot: bool = False,
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.dispatch import paged_attention
-    from pallas_kernels.reference import ragged_paged_attention_reference
+    from jaxpaged.kernels.dispatch import paged_attention
+    from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
     platform = jax.default_backend()
     device = jax.devices()[0]
     peak = _peak_bandwidth(device.device_kind)
     on_cpu = platform == "cpu"
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    from pallas_kernels.cpu_attention import native_kernel_available
+    from jaxpaged.kernels.cpu_attention import native_kernel_available
 
     kernel = "cpu" if on_cpu else "pallas"  # the platform's own kernel: the one the figures below are for
     if on_cpu and not native_kernel_available():
@@ -308,8 +308,8 @@ import functools, sys
 import jax, jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.ragged_paged_attention import ragged_paged_attention
 
 failed = 0
 for topology in ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"):
@@ -342,7 +342,7 @@ from jax._src.pallas.triton import pallas_call_registration
 import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernels import _batch
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.kernels.ragged_paged_attention import ragged_paged_attention
 
 modules = []
 lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module

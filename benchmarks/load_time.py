@@ -40,7 +40,7 @@ def child(model: str, dtype: str) -> dict:
 
     from jaxpaged.tokenizer import Tokenizer
     from jaxpaged.weights import load_checkpoint
-    from models.registry import build_model
+    from jaxpaged.models.registry import build_model
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model, dtype=jnp.dtype(dtype))
     t1 = time.perf_counter()

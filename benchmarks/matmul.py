@@ -30,7 +30,7 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.cpu_matmul import QUANT_BLOCK, matmul, pack_quantized, pack_weight, use_amx
+    from jaxpaged.kernels.cpu_matmul import QUANT_BLOCK, matmul, pack_quantized, pack_weight, use_amx
 
     # Q4_1 of a random weight: per block of 32 k, codes 0..15 between the block's minimum and maximum.
     w = rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k)
@@ -74,7 +74,7 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
 def _without_amx(call):
     """``call()`` with the native kernel's AMX path off, finished before it is switched back on
     (the kernel reads the switch when it runs, not when it is dispatched)."""
-    from pallas_kernels.cpu_matmul import use_amx
+    from jaxpaged.kernels.cpu_matmul import use_amx
 
     use_amx(False)
     try:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.torch:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle torch threads must not spin on XLA's cores
-    from pallas_kernels.cpu_matmul import native_matmul_available
+    from jaxpaged.kernels.cpu_matmul import native_matmul_available
 
     if not native_matmul_available():
         print("the native matmul kernel is not built: python setup.py build_ext --inplace", file=sys.stderr)

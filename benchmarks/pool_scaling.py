@@ -20,10 +20,10 @@ from jaxpaged.model_runner import ModelRunner
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import SchedulerOutput
-from models.decoder import pack_for_matmul_backend
-from models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
-from models.registry import BuiltModel, ModelShape
-from pallas_kernels import resolve_backend, resolve_matmul_backend
+from jaxpaged.models.decoder import pack_for_matmul_backend
+from jaxpaged.models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
+from jaxpaged.models.registry import BuiltModel, ModelShape
+from jaxpaged.kernels import resolve_backend, resolve_matmul_backend
 
 SMOLLM2 = LlamaArchConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,

@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, write_json
-from server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
+from jaxpaged.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
                              DeltaMessage)
-from server.serving import TextDeltaEvents, sse
+from jaxpaged.server.serving import TextDeltaEvents, sse
 
 _ID = "chatcmpl-" + "0123456789abcdef" * 2
 _MODEL = "smollm2-135m-instruct"

@@ -58,7 +58,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxpaged.async_engine import AsyncLLMEngine
-    from server import build_app
+    from jaxpaged.server import build_app
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = engine_args_from(ns)

@@ -43,8 +43,8 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.weights import load_checkpoint
-from models.registry import build_model
-from pallas_kernels import resolve_backend, resolve_matmul_backend
+from jaxpaged.models.registry import build_model
+from jaxpaged.kernels import resolve_backend, resolve_matmul_backend
 
 logger = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ from jaxpaged.sampler import (SamplerFlags, SamplerOutput, SamplingTensors, argm
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence_slots import SequenceSlots
-from models.registry import BuiltModel
-from pallas_kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
-from pallas_kernels.kv_ops import gather_blocks, scatter_blocks
-from pallas_kernels.metadata import num_prefill_tiles
+from jaxpaged.models.registry import BuiltModel
+from jaxpaged.kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
+from jaxpaged.kernels.kv_ops import gather_blocks, scatter_blocks
+from jaxpaged.kernels.metadata import num_prefill_tiles
 
 logger = logging.getLogger(__name__)
 

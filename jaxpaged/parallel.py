@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.registry import BuiltModel, column_sections, parallel_style
-from pallas_kernels.sharded import KV_PAGES, TP_AXIS, tp_size
+from jaxpaged.models.registry import BuiltModel, column_sections, parallel_style
+from jaxpaged.kernels.sharded import KV_PAGES, TP_AXIS, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, tp: int) -> int:
 
 def interleave_shards(a: Any, sizes: Sequence[int], n: int) -> Any:
     """``[A | B | ...]`` on the last axis -> ``[A_0 | B_0 | ... | A_1 | B_1 | ...]`` with ``X_i`` the
-    ``i``-th of ``n`` equal pieces of ``X`` (inverse: ``pallas_kernels.sharded.split_fused``)."""
+    ``i``-th of ``n`` equal pieces of ``X`` (inverse: ``jaxpaged.kernels.sharded.split_fused``)."""
     xp = np if isinstance(a, np.ndarray) else jnp
     parts = xp.split(a, np.cumsum(sizes)[:-1].tolist(), axis=-1)
     pieces = [xp.split(p, n, axis=-1) for p in parts]

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import AttentionMetadata, cpu_matmul
-from pallas_kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul,
+from jaxpaged.kernels import AttentionMetadata, cpu_matmul
+from jaxpaged.kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul,
                                           native_layer_ops_available)
-from pallas_kernels.kv_ops import take_rows
-from pallas_kernels.sharded import paged_attention, split_fused, write_kv
+from jaxpaged.kernels.kv_ops import take_rows
+from jaxpaged.kernels.sharded import paged_attention, split_fused, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 NORMS = ("rmsnorm", "layernorm")

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from models.decoder import SUPPORTED_ROPE_TYPES, DecoderConfig, DecoderForCausalLM, convert_hf, hf_layout, init_params
+from jaxpaged.models.decoder import SUPPORTED_ROPE_TYPES, DecoderConfig, DecoderForCausalLM, convert_hf, hf_layout, init_params
 
 LlamaForCausalLM = DecoderForCausalLM
 __all__ = ["LlamaArchConfig", "LlamaForCausalLM", "config_from_hf", "init_params", "mistral_config_from_hf",

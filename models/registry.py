@@ -11,8 +11,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import flax.linen as nn
 import numpy as np
 
-from models import gpt2, llama, opt
-from models.decoder import (PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, pack_for_matmul_backend,
+from jaxpaged.models import gpt2, llama, opt
+from jaxpaged.models.decoder import (PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, pack_for_matmul_backend,
                             parallel_style, runs_quantized)
 
 __all__ = ["PARALLEL_STYLE", "BuiltModel", "Family", "ModelShape", "build_model", "column_sections",

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.native import NATIVE_DTYPES, register_cpu_targets
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.native import NATIVE_DTYPES, register_cpu_targets
 
 _TARGET = "jaxpaged_paged_attention_cpu"
 _WRITE_TARGET = "jaxpaged_write_kv_cpu"
@@ -27,12 +27,12 @@ _WRITE_TARGET = "jaxpaged_write_kv_cpu"
 @functools.cache
 def native_kernel_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    return register_cpu_targets("pallas_kernels._paged_attention_cpu",
+    return register_cpu_targets("jaxpaged.kernels._paged_attention_cpu",
                                 {_TARGET: "JaxpagedPagedAttentionCpu", _WRITE_TARGET: "JaxpagedWriteKvCpu"})
 
 
 def cpu_write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """``pallas_kernels.write_kv`` in place (the page array is the call's aliased output): XLA's CPU
+    """``jaxpaged.kernels.write_kv`` in place (the page array is the call's aliased output): XLA's CPU
     scatter converts a bfloat16 pool to float32 and back for every write."""
     if not native_kernel_available():
         raise RuntimeError("the native CPU attention kernel was not built (no C++ compiler at install time?); "

@@ -16,7 +16,7 @@ import functools
 import jax
 import numpy as np
 
-from pallas_kernels.native import NATIVE_DTYPES, layer_shape, register_cpu_targets, row_count
+from jaxpaged.kernels.native import NATIVE_DTYPES, layer_shape, register_cpu_targets, row_count
 
 _ROPE_TARGET = "jaxpaged_rope_qkv_cpu"
 _NORM_TARGET = "jaxpaged_rms_norm_cpu"
@@ -27,7 +27,7 @@ _SILU_TARGET = "jaxpaged_silu_and_mul_cpu"
 @functools.cache
 def native_layer_ops_available() -> bool:
     """Load the compiled kernels and register them with XLA (once); False if they were not built."""
-    return register_cpu_targets("pallas_kernels._layer_ops_cpu",
+    return register_cpu_targets("jaxpaged.kernels._layer_ops_cpu",
                                 {_ROPE_TARGET: "JaxpagedRopeQkvCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
                                  _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu", _SILU_TARGET: "JaxpagedSiluAndMulCpu"})
 

@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import NATIVE_DTYPES, layer_shape, load_library, register_cpu_targets, row_count
+from jaxpaged.kernels.native import NATIVE_DTYPES, layer_shape, load_library, register_cpu_targets, row_count
 
-_LIBRARY = "pallas_kernels._matmul_cpu"
+_LIBRARY = "jaxpaged.kernels._matmul_cpu"
 _TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
 PANEL = 32  # columns per packed panel
 QUANT_BLOCK = 32  # k rows sharing a column's scale and offset

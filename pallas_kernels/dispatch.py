@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_ops
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.native import NATIVE_DTYPES
-from pallas_kernels.xla_attention import xla_paged_attention
+from jaxpaged.kernels import kv_ops
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.native import NATIVE_DTYPES
+from jaxpaged.kernels.xla_attention import xla_paged_attention
 
 
 def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
@@ -19,7 +19,7 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None) -> str:
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return "pallas"
-    from pallas_kernels.cpu_attention import native_kernel_available
+    from jaxpaged.kernels.cpu_attention import native_kernel_available
     supported = dtype is None or jnp.dtype(dtype) in NATIVE_DTYPES
     return "cpu" if supported and native_kernel_available() else "xla"
 
@@ -32,7 +32,7 @@ def resolve_matmul_backend(name: str, platform: str | None = None, dtype=None, n
     slower than XLA's dot in float32 (not in bfloat16, which XLA's CPU backend converts around every
     op), so ``auto`` takes ``xla`` there, unless ``quantized`` weights are asked for (only the
     native matmul runs them)."""
-    from pallas_kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
+    from jaxpaged.kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
     platform = platform or jax.default_backend()
     problem = (f"the platform is {platform}" if platform != "cpu" else
                f"the model is split over {num_devices} devices" if num_devices > 1 else
@@ -59,7 +59,7 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
     """Store one layer's new ``k, v[T, Hkv, D]`` at their flat slots: in place through the native
     kernel with the ``cpu`` backend, else as an XLA scatter (in place under donation)."""
     if backend == "cpu":
-        from pallas_kernels.cpu_attention import cpu_write_kv
+        from jaxpaged.kernels.cpu_attention import cpu_write_kv
         return cpu_write_kv(kv_pages, layer, k, v, slot_mapping)
     return kv_ops.write_kv(kv_pages, layer, k, v, slot_mapping)
 
@@ -72,11 +72,11 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetad
         return xla_paged_attention(q, kv_pages, layer, md, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "cpu":
-        from pallas_kernels.cpu_attention import cpu_paged_attention
+        from jaxpaged.kernels.cpu_attention import cpu_paged_attention
         return cpu_paged_attention(q, kv_pages, layer, md, scale=scale, sliding_window=sliding_window,
                                    soft_cap=soft_cap)
     if backend in ("pallas", "pallas_interpret"):
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        from jaxpaged.kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_pages, layer, md, scale=scale, sliding_window=sliding_window,
                                       soft_cap=soft_cap, interpret=backend == "pallas_interpret")
     raise ValueError(f"unknown attention backend {backend!r}")

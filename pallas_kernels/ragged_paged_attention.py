@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 Variant = Literal["tpu", "gpu", "interpret"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 
 def token_rows_and_positions(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels import dispatch
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels import dispatch
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 TP_AXIS = "tp"
 """The mesh axis that tensor parallelism splits heads (and the vocabulary, the MLP width) over."""
@@ -58,7 +58,7 @@ def split_fused(x: jax.Array, sizes: Sequence[int], mesh: Any = None) -> tuple[j
 
 def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, backend: str,
              mesh: Any = None) -> jax.Array:
-    """``pallas_kernels.dispatch.write_kv`` (same arguments), per head shard when ``mesh`` is given:
+    """``jaxpaged.kernels.dispatch.write_kv`` (same arguments), per head shard when ``mesh`` is given:
     each device stores its own kv heads into its own slice of the page array."""
     write = functools.partial(dispatch.write_kv, backend=backend)
     if mesh is None:
@@ -69,7 +69,7 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
 
 def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, mesh: Any = None,
                     **kwargs) -> jax.Array:
-    """``pallas_kernels.paged_attention`` (same arguments), run per head shard when ``mesh`` is given:
+    """``jaxpaged.kernels.paged_attention`` (same arguments), run per head shard when ``mesh`` is given:
     ``q[T, Hq, D]`` and the pages' kv-head axis split over ``tp``, metadata replicated."""
     if mesh is None:
         return dispatch.paged_attention(q, kv_pages, layer, md, **kwargs)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import attention_mask, softmax_attention
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import attention_mask, softmax_attention
 
 
 def _gather_pages(kv_pages: jax.Array, layer, block_tables: jax.Array):

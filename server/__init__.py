@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine, served_model_name)`` -> a FastAPI app."""
 
-from server.app import build_app
+from jaxpaged.server.app import build_app
 
 __all__ = ["build_app"]

@@ -15,12 +15,12 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from jaxpaged.async_engine import AsyncLLMEngine
-from server.errors import APIError, install_error_handlers
-from server.metrics import ServerMetrics
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+from jaxpaged.server.errors import APIError, install_error_handlers
+from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                              ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                              TokenizeResponse)
-from server.serving import ClientDisconnected, EventStream, OpenAIServing
+from jaxpaged.server.serving import ClientDisconnected, EventStream, OpenAIServing
 
 
 class EventStreamResponse(StreamingResponse):

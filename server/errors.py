@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.async_engine import EngineDeadError, EngineOverloadedError
-from server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
 
 class APIError(Exception):
     """An error response: HTTP status plus OpenAI's error fields."""

@@ -26,9 +26,9 @@ from pydantic import BaseModel
 from jaxpaged.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxpaged.request import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
-from server.errors import APIError
-from server.metrics import ServerMetrics
-from server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
+from jaxpaged.server.errors import APIError
+from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaMessage, ErrorResponse, SamplingRequest, TopLogprob,

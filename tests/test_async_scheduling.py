@@ -247,7 +247,7 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
     import jax
 
     from jaxpaged import model_runner
-    from pallas_kernels import PAD_SLOT
+    from jaxpaged.kernels import PAD_SLOT
 
     path, hf = tiny
     engine = _engine(path, preemption_mode=preemption_mode, swap_space=1 << 20, num_gpu_blocks_override=20)
@@ -287,7 +287,7 @@ def test_step_fn_writes_each_token_at_the_slot_its_rows_block_table_gives(tiny):
     import jax.numpy as jnp
 
     from jaxpaged.model_runner import step_fn
-    from pallas_kernels import AttentionMetadata, build_prefill_tiles
+    from jaxpaged.kernels import AttentionMetadata, build_prefill_tiles
 
     path, _ = tiny
     runner = _engine(path, max_num_seqs=4).runner

@@ -324,7 +324,7 @@ def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monke
     """float32 "auto" and "gguf" are the same engine where the native matmul is built for vectors
     (quantized weights on it), "auto" and "none" the same elsewhere (XLA's dot on dense weights);
     bfloat16 "auto" and "none" always are."""
-    from pallas_kernels import cpu_matmul
+    from jaxpaged.kernels import cpu_matmul
     if not cpu_matmul.native_matmul_available():
         pytest.skip("native CPU matmul not built")
     monkeypatch.setattr(cpu_matmul, "native_matmul_vectorized", lambda: vectorized)
@@ -341,7 +341,7 @@ def test_model_flops_counts_what_hf_multiplies(tiny):
     from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks.workload import WorkloadRequest, model_flops
-    from models.registry import config_from_hf
+    from jaxpaged.models.registry import config_from_hf
 
     _, hf = tiny
     _, cfg = config_from_hf(hf.config)
@@ -366,7 +366,7 @@ def test_float32_ceiling_is_the_workloads_flops_at_the_measured_peak(tiny, monke
 
     from benchmarks import ceiling
     from benchmarks.workload import WorkloadRequest, model_flops
-    from models.registry import config_from_hf
+    from jaxpaged.models.registry import config_from_hf
 
     calls = []
     monkeypatch.setattr(ceiling, "build", lambda out_dir: out_dir / "ceiling")

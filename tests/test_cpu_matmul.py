@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_matmul import matmul, native_matmul_available, pack_quantized, pack_weight, use_amx
+from jaxpaged.kernels.cpu_matmul import matmul, native_matmul_available, pack_quantized, pack_weight, use_amx
 
 pytestmark = pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
 
@@ -330,7 +330,7 @@ def test_auto_backend_takes_xla_for_float32_dense_weights_without_vectors(monkey
     """Built without AVX-512 or AVX2 the native matmul is portable loops, slower than XLA's dot in float32:
     ``auto`` then takes XLA for dense float32 weights, and the native matmul for bfloat16 and for
     quantized weights (which only it runs); an explicit choice is kept."""
-    from pallas_kernels import cpu_matmul, resolve_matmul_backend
+    from jaxpaged.kernels import cpu_matmul, resolve_matmul_backend
 
     for vectorized in (True, False):
         monkeypatch.setattr(cpu_matmul, "native_matmul_vectorized", lambda: vectorized)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxpaged import LLM, SamplingParams
-from pallas_kernels.cpu_matmul import native_matmul_available
+from jaxpaged.kernels.cpu_matmul import native_matmul_available
 from tiny_models import hf_greedy, random_prompts
 
 PROMPT_LENGTHS = [1, 5, 17, 40, 9, 23]

@@ -1,4 +1,4 @@
-"""The native CPU layer kernels (``pallas_kernels.cpu_layer_ops``): the rotary embedding,
+"""The native CPU layer kernels (``jaxpaged.kernels.cpu_layer_ops``): the rotary embedding,
 RMSNorm (with the residual add fused) and SiLU(gate) * up, against torch's (HF's) arithmetic and the
 model's XLA path."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.decoder import Norm, activate, apply_rope, rope_tables
-from pallas_kernels.cpu_layer_ops import cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul, native_layer_ops_available
+from jaxpaged.models.decoder import Norm, activate, apply_rope, rope_tables
+from jaxpaged.kernels.cpu_layer_ops import cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul, native_layer_ops_available
 
 needs_kernels = pytest.mark.skipif(not native_layer_ops_available(), reason="native CPU layer kernels not built")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from native_variants import CSRC, CXX, needs_x86_compiler, runnable_variants
-from pallas_kernels.cpu_matmul import QUANT_BLOCK, pack_quantized, pack_weight
+from jaxpaged.kernels.cpu_matmul import QUANT_BLOCK, pack_quantized, pack_weight
 
 pytestmark = needs_x86_compiler
 

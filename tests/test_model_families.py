@@ -14,11 +14,11 @@ from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
-from models import registry
-from models.decoder import (ACTIVATIONS, DecoderForCausalLM, activate, column_sections, init_params, layer_name,
+from jaxpaged.models import registry
+from jaxpaged.models.decoder import (ACTIVATIONS, DecoderForCausalLM, activate, column_sections, init_params, layer_name,
                             pack_for_matmul_backend, parallel_style)
-from pallas_kernels import AttentionMetadata
-from pallas_kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
+from jaxpaged.kernels import AttentionMetadata
+from jaxpaged.kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
 from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import dispatch
-from pallas_kernels.cpu_attention import native_kernel_available
-from pallas_kernels.dispatch import paged_attention
-from pallas_kernels.kv_ops import copy_blocks
-from pallas_kernels.metadata import PAD_SLOT, AttentionMetadata, build_prefill_tiles, num_prefill_tiles
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels import dispatch
+from jaxpaged.kernels.cpu_attention import native_kernel_available
+from jaxpaged.kernels.dispatch import paged_attention
+from jaxpaged.kernels.kv_ops import copy_blocks
+from jaxpaged.kernels.metadata import PAD_SLOT, AttentionMetadata, build_prefill_tiles, num_prefill_tiles
+from jaxpaged.kernels.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
 LAYERS = 2
 LAYER = 1  # attend through the last layer so a wrong layer index cannot pass
@@ -339,7 +339,7 @@ def test_copy_blocks_copies_every_layer_and_skips_negative_dst() -> None:
 def test_auto_backend_on_cpu_falls_back_to_xla_for_float16() -> None:
     """The native kernel takes float32/bfloat16 only: float16 models get the XLA backend, and a
     direct call with float16 is refused rather than casting (copying) the page pool."""
-    from pallas_kernels.dispatch import resolve_backend
+    from jaxpaged.kernels.dispatch import resolve_backend
 
     assert resolve_backend("auto", "cpu", jnp.float32) == "cpu"
     assert resolve_backend("auto", "cpu", jnp.float16) == "xla"

@@ -22,7 +22,7 @@ import uvicorn
 
 from jaxpaged import EngineArgs, LLMEngine, SamplingParams
 from jaxpaged.async_engine import AsyncLLMEngine, RequestStream
-from server import build_app
+from jaxpaged.server import build_app
 from test_async_engine import GatedEngine
 from tiny_models import hf_greedy
 
@@ -317,9 +317,9 @@ def test_text_delta_events_are_the_bytes_pydantic_dumps(api):
     """A streamed text chunk is written from a template, not through pydantic: for texts of every
     kind of character JSON treats apart (ASCII controls, quotes, backslashes, U+2028, non-BMP, BOM),
     the event is byte for byte what dumping the chunk's models gives."""
-    from server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
+    from jaxpaged.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
                                  DeltaMessage)
-    from server.serving import TextDeltaEvents, sse
+    from jaxpaged.server.serving import TextDeltaEvents, sse
 
     if api == "chat":
         def chunk(j, text):

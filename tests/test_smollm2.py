@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from pallas_kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
+from jaxpaged.kernels.cpu_matmul import native_matmul_available, native_matmul_vectorized
 from test_engine_equivalence import assert_matches_hf
 from tiny_models import hf_greedy
 

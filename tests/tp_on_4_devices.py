@@ -20,7 +20,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.model_runner import step_fn
-from pallas_kernels import AttentionMetadata, build_prefill_tiles
+from jaxpaged.kernels import AttentionMetadata, build_prefill_tiles
 from tiny_models import random_prompts
 
 if jax.device_count() < 4:

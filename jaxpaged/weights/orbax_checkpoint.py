@@ -34,8 +34,8 @@ import transformers
 from flax import traverse_util
 
 from jaxpaged.weights.resolve import MODEL_CARD, ORBAX_PARAMS_DIR, Checkpoint
-from models.decoder import param_shapes
-from models.registry import build_model, config_from_hf, supported_architectures
+from jaxpaged.models.decoder import param_shapes
+from jaxpaged.models.registry import build_model, config_from_hf, supported_architectures
 
 FORMAT = "jaxpaged-orbax"
 FORMAT_VERSION = 1
