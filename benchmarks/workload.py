@@ -8,7 +8,6 @@ are chat conversations in plain English.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,13 +124,12 @@ WORKLOADS = ("synthetic", "chat")
 
 def requests(kind: str, n: int, seed: int, model: str, **lengths) -> list[WorkloadRequest]:
     """The ``synthetic`` workload (random token ids), or its ``chat`` variant in ``model``'s tokenizer
-    and chat template (read through the engine's tokenizer cache); ``lengths``: ``synthetic``'s."""
+    and chat template; ``lengths``: ``synthetic``'s."""
     if kind == "synthetic":
         return synthetic(n, seed, **lengths)
     if kind != "chat":
         raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(WORKLOADS)}")
-    from jaxpaged.config import DEFAULT_CACHE_DIR
     from jaxpaged.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(model, cache_dir=os.path.join(DEFAULT_CACHE_DIR, "tokenizers"))
+    tokenizer = Tokenizer.load(model)
     return chat(n, seed, tokenizer.apply_chat_template, **lengths)

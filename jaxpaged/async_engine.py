@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from jaxpaged.config import EngineArgs
+from jaxpaged.generation_config import GenerationDefaults
 from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -189,6 +190,10 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.engine.generation_defaults
 
     @property
     def is_alive(self) -> bool:

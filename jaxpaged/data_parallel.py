@@ -120,8 +120,8 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig):
         p = config.parallel
         grid = parallel.device_grid(p.tensor_parallel_size, p.data_parallel_size)   # ValueError if too few
-        self.config = config
         first = LLMEngine(config, devices=list(grid[0]))
+        self.config = config = first.config     # dtype "auto" resolved once, by the first replica
         cc = config.cache
         if cc.sized_automatically:
             # The first replica sized its pool from the memory free before it; the later ones would find less
@@ -129,6 +129,7 @@ class DataParallelEngine:
             config = replace(config, cache=replace(cc, num_blocks_override=first.cache_info.num_blocks))
         self.replicas = [first, *(LLMEngine(config, devices=list(row)) for row in grid[1:])]
         self.tokenizer = first.tokenizer
+        self.generation_defaults = first.generation_defaults
         self.vocab_size = first.vocab_size
         self.max_model_len = first.max_model_len
         self.kv_cache_manager = _KVTotals(self.replicas)

@@ -26,17 +26,19 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxpaged import host_memory, parallel
+from jaxpaged.auto_dtype import resolve_auto_dtype
 from jaxpaged.beam_search import BeamSearchParams, BeamSearchState
 from jaxpaged.config import EngineArgs, EngineConfig, keeps_quantized_blocks
+from jaxpaged.generation_config import load_generation_defaults
 from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
-from jaxpaged.kv_cache_size import auto_kv_cache_memory
+from jaxpaged.kv_cache_size import auto_kv_cache_memory, budget_rule
 from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -146,10 +148,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
         """``devices``: the devices of this engine's tensor-parallel group (a data-parallel replica's);
         default: the first ``tensor_parallel_size`` devices."""
-        self.config = config
-        mc, cc, sc = config.model, config.cache, config.scheduler
         tp = config.parallel.tensor_parallel_size
         mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
+        group = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+        self.config = config = resolve_auto_dtype(config, group[0].platform)
+        mc, cc, sc = config.model, config.cache, config.scheduler
         matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size,
                                         quantized=config.quantization == "gguf")
         if config.cache_dir:
@@ -157,9 +160,12 @@ class LLMEngine:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         t0 = time.perf_counter()
         dtype = jnp.dtype(mc.dtype)
-        ckpt = load_checkpoint(mc.model, dtype=dtype)
-        self.tokenizer = Tokenizer.load(mc.tokenizer or ckpt.path,
-                                        cache_dir=config.cache_dir and os.path.join(config.cache_dir, "tokenizers"))
+        ckpt = load_checkpoint(mc.model, dtype=dtype, revision=mc.revision, download_dir=mc.download_dir)
+        self.tokenizer = Tokenizer.load(mc.tokenizer_source or ckpt.path, revision=mc.tokenizer_revision,
+                                        download_dir=mc.download_dir)
+        self.generation_defaults = load_generation_defaults(ckpt.path, mc.generation_config)
+        """The model's generation config: defaults of the sampling parameters a request leaves unset, and
+        EOS ids (``LLM.get_default_sampling_params`` and the server read it)."""
         model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
                             params=ckpt.params, matmul_backend=matmul,
                             quantized=ckpt.quantized if keeps_quantized_blocks(config.quantization, mc.dtype) else None)
@@ -175,18 +181,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}; use at most {max_pos}.")
         kv_memory = cc.kv_cache_memory
-        group = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         if cc.sized_automatically:
             kv_memory = auto_kv_cache_memory(bytes_per_block, cc.block_size, sc.max_num_seqs,
-                                             mc.max_model_len or max_pos, group)
+                                             mc.max_model_len or max_pos, group, cc.gpu_memory_utilization)
         num_blocks = cc.num_blocks_override or kv_memory // bytes_per_block
         if num_blocks < 2:
             if cc.num_blocks_override:
                 raise ValueError(f"num_gpu_blocks_override={num_blocks}: the pool needs at least 2 blocks "
                                  f"(block 0 is the reserved null block).")
-            budget = (f"half the memory free on the device ({kv_memory} bytes)" if cc.sized_automatically else
-                      f"kv_cache_memory={kv_memory} bytes")
-            raise ValueError(f"{budget} holds {num_blocks} blocks of {bytes_per_block} bytes; give at least "
+            budget = (f"{budget_rule(cc.gpu_memory_utilization)} ({kv_memory} bytes)" if cc.sized_automatically
+                      else f"kv_cache_memory={kv_memory} bytes")
+            raise ValueError(f"{budget} holds {max(num_blocks, 0)} blocks of {bytes_per_block} bytes; give at least "
                              f"{2 * bytes_per_block} bytes (kv_cache_memory).")
         pool_tokens = (num_blocks - 1) * cc.block_size
         # Unless told otherwise, a sequence may grow as long as the model allows and the pool holds.
@@ -246,7 +251,7 @@ class LLMEngine:
                      sampling_params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Validate one request and build its state without queueing it (raises ``ValueError``)."""
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or self.generation_defaults.sampling_params()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
         if isinstance(prompt, str):
@@ -273,6 +278,7 @@ class LLMEngine:
         seed = (sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)) & _SEED_MASK
         arrival = arrival_time if arrival_time is not None else time.time()
         eos = self.tokenizer.eos_token_id
+        sp = self._with_model_eos(sp, eos)
         stop_ids = None if sp.stop else frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
         final = sp.output_kind is RequestOutputKind.FINAL_ONLY
         samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
@@ -287,6 +293,15 @@ class LLMEngine:
                    for i in range(sp.best_of)]
         samples[0].forks = samples[1:]
         return samples[0]
+
+    def _with_model_eos(self, sp: SamplingParams, eos: int | None) -> SamplingParams:
+        """``sp`` with the generation config's other EOS ids added to its stop token ids, unless it ignores
+        EOS (vLLM's ``update_from_generation_config``: they stop generation as stop ids do, and min_tokens
+        holds them back). A copy: the caller's ``sp`` may serve other requests."""
+        extra = [t for t in self.generation_defaults.eos_token_ids if t != eos and t not in sp.stop_token_ids]
+        if not extra or sp.ignore_eos:
+            return sp
+        return replace(sp, stop_token_ids=[*sp.stop_token_ids, *extra])
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,

@@ -36,6 +36,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` that ``generate`` and ``chat`` use when given none: vLLM's defaults, overridden
+        by the model's generation_config.json (engine argument ``generation_config``), as in vLLM."""
+        return self.engine.generation_defaults.sampling_params()
+
     def sharing_stats(self):
         """Blocks used vs. blocks without sharing, now (see ``LLMEngine.sharing_stats``)."""
         return self.engine.sharing_stats()
@@ -44,14 +49,14 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or prompt dicts (``PromptInput``); returns one ``RequestOutput``
-        per prompt, in order.
+        per prompt, in order. Without ``sampling_params``, ``get_default_sampling_params()``.
 
         Every prompt is validated before any runs: one bad prompt raises ``ValueError``
         and nothing is generated.
         """
         prompts, salts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -122,11 +127,14 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template (``chat_template``, Jinja text, as vLLM's; else the tokenizer's) to one
+        conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+                   for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:

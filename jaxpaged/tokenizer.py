@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import codecs
-import hashlib
-import logging
-import os
 import pathlib
-import shutil
 from collections.abc import Sequence
 
 import tokenizers
 import tokenizers.decoders
 import transformers
 
+from jaxpaged.gguf_tokenizer import load_gguf_tokenizer
+from jaxpaged.weights.hub import TOKENIZER_FILES, local_or_snapshot
 from jaxpaged.weights.resolve import DEFAULT_MODEL_ALIAS, resolve_model_path
 
 # Tokens of context decoded before the first new token (vLLM uses the same number): enough for
@@ -33,37 +31,6 @@ def _byte_level_alphabet() -> dict[str, int]:
             spelled[chr(256 + extra)] = b
             extra += 1
     return spelled
-
-logger = logging.getLogger(__name__)
-
-
-def _gguf_tokenizer(path: pathlib.Path, cache_dir: str | None) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer embedded in a GGUF. transformers builds it from the file's vocabulary in
-    seconds; with ``cache_dir`` a copy saved there (keyed by the file's path, size and modification
-    time) loads in a fraction of that on later starts."""
-    def build() -> transformers.PreTrainedTokenizerBase:
-        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-    if not cache_dir:
-        return build()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = pathlib.Path(cache_dir) / f"{path.stem}-{key}"
-    if cached.is_dir():
-        try:
-            return transformers.AutoTokenizer.from_pretrained(cached)
-        except Exception as e:  # noqa: BLE001 -- whatever is wrong with a cached copy, it is rebuilt below
-            logger.warning("ignoring the cached tokenizer %s (%s); rebuilding it from %s", cached, e, path)
-            shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = build()
-    partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
-    try:
-        tokenizer.save_pretrained(partial)
-        partial.rename(cached)                      # complete or absent: never half written
-    except OSError as e:                            # read-only cache, or another process won the race
-        logger.debug("tokenizer not cached at %s: %s", cached, e)
-        shutil.rmtree(partial, ignore_errors=True)
-    return tokenizer
 
 
 class Tokenizer:
@@ -114,16 +81,20 @@ class Tokenizer:
         return tables
 
     @classmethod
-    def load(cls, path: str | pathlib.Path, cache_dir: str | None = None) -> Tokenizer:
-        """From an HF tokenizer directory, a .gguf file (its embedded tokenizer, cached as an HF
-        tokenizer under ``cache_dir`` if given) or the model alias."""
-        path = resolve_model_path(DEFAULT_MODEL_ALIAS) if str(path) == DEFAULT_MODEL_ALIAS else pathlib.Path(path)
+    def load(cls, path: str | pathlib.Path, revision: str | None = None,
+             download_dir: str | None = None) -> Tokenizer:
+        """From an HF tokenizer directory, a .gguf file (its embedded tokenizer, built from the file's
+        metadata), the model alias or a Hugging Face Hub repo id (its
+        tokenizer files at ``revision``, downloaded under ``download_dir``)."""
+        path = (resolve_model_path(DEFAULT_MODEL_ALIAS) if str(path) == DEFAULT_MODEL_ALIAS
+                else local_or_snapshot(path, revision, download_dir, TOKENIZER_FILES, kind="tokenizer"))
         if path.is_file() and path.suffix == ".gguf":
-            return cls(_gguf_tokenizer(path, cache_dir))
+            return cls(load_gguf_tokenizer(path))
         if path.is_dir():
             return cls(transformers.AutoTokenizer.from_pretrained(path))
         raise FileNotFoundError(
-            f"tokenizer {str(path)!r} is neither a tokenizer directory, a .gguf file nor {DEFAULT_MODEL_ALIAS!r}."
+            f"tokenizer {str(path)!r} is neither a tokenizer directory, a .gguf file, a Hugging Face Hub repo id "
+            f"(org/name) nor {DEFAULT_MODEL_ALIAS!r}."
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -147,14 +118,19 @@ class Tokenizer:
         except TypeError:           # a tokenizers release whose DecodeStream takes no context
             return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        """The token ids of ``messages`` rendered by ``chat_template`` (Jinja text, as vLLM's
+        ``--chat-template`` gives it) or, without one, by the tokenizer's own template."""
+        if not (chat_template or self.hf.chat_template):
             raise ValueError(
-                f"tokenizer {self.hf.name_or_path!r} has no chat template; send a plain prompt instead."
+                f"tokenizer {self.hf.name_or_path!r} has no chat template; send a plain prompt instead, "
+                "or give one (chat_template, --chat-template)."
             )
         return list(
             self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False
             )
         )
 

@@ -2,14 +2,18 @@
 
 With an API key, everything under ``/v1`` and the tokenizer endpoints need
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for probes and scrapers.
+Cross-origin requests are answered as ``CORSOptions`` says (vLLM's defaults: any origin, method and
+header), preflights before the key is checked, as browsers send them without it.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -20,7 +24,7 @@ from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                              ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                              TokenizeResponse)
-from jaxpaged.server.serving import ClientDisconnected, EventStream, OpenAIServing
+from jaxpaged.server.serving import ClientDisconnected, EventStream, OpenAIServing, RequestLog
 
 
 class EventStreamResponse(StreamingResponse):
@@ -53,14 +57,34 @@ def _api_key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              log_prompts: bool = False) -> FastAPI:
-    """The app serving ``engine`` as model ``served_model_name``; the caller owns the engine
-    (starts it before serving, shuts it down after)."""
+@dataclass(frozen=True)
+class CORSOptions:
+    """Which cross-origin browser requests are allowed (vLLM's ``--allowed-origins``, ``--allowed-methods``,
+    ``--allowed-headers``, ``--allow-credentials``, with its defaults)."""
+
+    allowed_origins: Sequence[str] = ("*",)
+    allowed_methods: Sequence[str] = ("*",)
+    allowed_headers: Sequence[str] = ("*",)
+    allow_credentials: bool = False
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
+              log_prompts: bool = False, *, log_requests: bool = True, max_log_len: int | None = None,
+              chat_template: str | None = None, cors: CORSOptions = CORSOptions()) -> FastAPI:
+    """The app serving ``engine`` under ``served_model_name`` (or several names: requests may use any,
+    responses and metrics report the first); the caller owns the engine (starts it before serving,
+    shuts it down after). ``log_requests``, ``log_prompts``, ``max_log_len``: see ``RequestLog``;
+    ``chat_template``: Jinja text used instead of the tokenizer's."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names:
+        raise ValueError("served_model_name must give at least one name.")
     app = FastAPI(title="jaxpaged", summary="OpenAI-compatible LLM server on JAX")
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials)
     install_error_handlers(app)
-    metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, log_prompts)
+    metrics = ServerMetrics(engine, names[0])
+    serving = OpenAIServing(engine, names, metrics, RequestLog(log_requests, log_prompts, max_log_len), chat_template)
     guarded = APIRouter(dependencies=[Depends(_api_key_checker(api_key))] if api_key else [])
 
     def respond(result: BaseModel | EventStream) -> Response:
@@ -84,12 +108,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @guarded.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len) for name in names])
 
     @guarded.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
         serving.check_model(model)
-        return ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+        return ModelCard(id=model, max_model_len=engine.max_model_len)
 
     @guarded.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:

@@ -8,7 +8,8 @@ something silently ignored. Sampling parameters keep vLLM's names, which are
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -76,11 +77,18 @@ class SamplingRequest(RequestModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, **resolved) -> SamplingParams:
-        """``SamplingParams`` from the fields the client set (engine defaults for the rest) and
-        ``resolved`` (values the endpoint derived, passed even when None); ``ValueError`` if invalid."""
-        kwargs = {name: getattr(self, name) for name in _PASS_THROUGH
-                  if name in self.model_fields_set and getattr(self, name) is not None}
+    def to_sampling_params(self, defaults: Mapping[str, Any], **resolved) -> SamplingParams:
+        """``SamplingParams`` from the fields the client set, the model's ``defaults`` (its generation config:
+        ``GenerationDefaults.sampling``) for those it left unset or null, ``SamplingParams``' own for the rest,
+        and ``resolved`` (values the endpoint derived, passed even when None); ``ValueError`` if invalid.
+        A default ``max_tokens`` (the model's ``max_new_tokens``) also caps the endpoint's, as in vLLM."""
+        kwargs = {name: value for name, value in defaults.items() if name in _PASS_THROUGH}
+        kwargs.update({name: getattr(self, name) for name in _PASS_THROUGH
+                       if name in self.model_fields_set and getattr(self, name) is not None})
+        limit = defaults.get("max_tokens")
+        if limit is not None:
+            requested = resolved.get("max_tokens")
+            resolved["max_tokens"] = limit if requested is None else min(requested, limit)
         # A non-streamed response reads only the final output, so the engine builds none per step;
         # a streamed one reads only what is new, so the engine copies nothing old (as vLLM).
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY

@@ -142,18 +142,37 @@ class EventStream:
     close: Callable[[], None]
 
 
-class OpenAIServing:
-    """Completion and chat logic over one ``AsyncLLMEngine``; the app routes to it."""
+@dataclass(frozen=True)
+class RequestLog:
+    """What is logged of each engine request: a line when it ends (token counts, latency), unless
+    ``enabled`` is off (vLLM's ``--disable-log-requests``); its prompt when it starts only with
+    ``prompts`` (prompts may be private), at most ``max_len`` characters or token ids of it (vLLM's
+    ``--max-log-len``)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 log_prompts: bool = False) -> None:
+    enabled: bool = True
+    prompts: bool = False
+    max_len: int | None = None
+
+    def excerpt(self, prompt: str | Sequence[int]) -> str | Sequence[int]:
+        return prompt if self.max_len is None else prompt[:self.max_len]
+
+
+class OpenAIServing:
+    """Completion and chat logic over one ``AsyncLLMEngine``; the app routes to it. ``model_names``: the
+    names requests may use (vLLM's ``--served-model-name``); responses report the first.
+    ``chat_template``: Jinja text used instead of the tokenizer's template."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], metrics: ServerMetrics,
+                 log: RequestLog = RequestLog(), chat_template: str | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
+        self.model_name = self.model_names[0]
         self.metrics = metrics
-        self.log_prompts = log_prompts
+        self.log = log
+        self.chat_template = chat_template
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     # ---- /v1/completions ---------------------------------------------------------------------
@@ -321,16 +340,16 @@ class OpenAIServing:
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
             return self.engine.tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
-                                                             add_generation_prompt=add_generation_prompt)
+                                                             add_generation_prompt=add_generation_prompt,
+                                                             chat_template=self.chat_template)
         except ValueError as e:          # no chat template
             raise APIError(400, str(e), param="messages") from None
 
     # ---- shared ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _sampling_params(body: SamplingRequest, **resolved) -> SamplingParams:
+    def _sampling_params(self, body: SamplingRequest, **resolved) -> SamplingParams:
         try:
-            return body.to_sampling_params(**resolved)
+            return body.to_sampling_params(self.engine.generation_defaults.sampling, **resolved)
         except ValueError as e:
             raise APIError(400, str(e), param=_named_param(e, body)) from None
 
@@ -348,8 +367,8 @@ class OpenAIServing:
         try:
             for req in requests:
                 streams.append(await self.engine.add_request(req))
-                if self.log_prompts:
-                    logger.info("%s: prompt %r", req.request_id, req.prompt or req.prompt_token_ids)
+                if self.log.enabled and self.log.prompts:
+                    logger.info("%s: prompt %r", req.request_id, self.log.excerpt(req.prompt or req.prompt_token_ids))
         except BaseException as e:                  # also when the client left (cancelled) meanwhile
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -418,5 +437,6 @@ class OpenAIServing:
         self.metrics.record(stream.num_prompt_tokens, last, stream.num_output_tokens)
         generated = sum(stream.num_output_tokens.values())
         reason = last.outputs[0].finish_reason if stream.finished else "abort"
-        logger.info("%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s", stream.request_id,
-                    stream.num_prompt_tokens, generated, time.time() - arrival_time, reason)
+        if self.log.enabled:
+            logger.info("%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s", stream.request_id,
+                        stream.num_prompt_tokens, generated, time.time() - arrival_time, reason)

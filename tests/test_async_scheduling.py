@@ -55,7 +55,7 @@ def test_async_and_sync_scheduling_produce_the_same_outputs(tiny, preemption_mod
     """Under chunked prefill, prefix hits, forks and a pool small enough to preempt."""
     path, hf = tiny
     workload = _workload(hf.config.vocab_size)
-    kw = dict(preemption_mode=preemption_mode, swap_space=1 << 20, num_gpu_blocks_override=20)
+    kw = dict(preemption_mode=preemption_mode, swap_space=2**-10, num_gpu_blocks_override=20)
     sync_engine, async_engine = _engine(path, async_scheduling=False, **kw), _engine(path, **kw)
     want, got = _run(sync_engine, workload), _run(async_engine, workload)
     assert async_engine.scheduler.num_preemptions > 0 and async_engine.kv_cache_manager.stats.hits > 0
@@ -141,7 +141,7 @@ def test_persistent_block_tables_follow_the_requests(tiny):
     block table, through growth, prefix hits, forks with copy-on-write, preemption and swap (the
     writes replayed here into a numpy copy of the device tables)."""
     path, hf = tiny
-    engine = _engine(path, preemption_mode="swap", swap_space=1 << 16, num_gpu_blocks_override=24)
+    engine = _engine(path, preemption_mode="swap", swap_space=2**-14, num_gpu_blocks_override=24)
     prepare, slots = engine.runner.prepare, engine.runner.slots
     take = slots.take_table_writes
     device = np.zeros(np.shape(engine.runner._tables), np.int32)
@@ -250,7 +250,7 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
     from jaxpaged.kernels import PAD_SLOT
 
     path, hf = tiny
-    engine = _engine(path, preemption_mode=preemption_mode, swap_space=1 << 20, num_gpu_blocks_override=20)
+    engine = _engine(path, preemption_mode=preemption_mode, swap_space=2**-10, num_gpu_blocks_override=20)
     runner, bs = engine.runner, engine.cache_info.block_size
     unpack = jax.jit(model_runner._unpack_inputs, static_argnums=(1, 3))
     prepare, forward, next_steady = runner.prepare, runner.forward, runner._next_steady_batch

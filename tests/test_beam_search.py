@@ -122,7 +122,7 @@ def test_beam_groups_under_memory_pressure(eos_model, llm, mode):
     prompts = [PROMPTS[1], PROMPTS[2]]
     ref = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)]
     tight = LLM(str(eos_model[0]), block_size=4, num_gpu_blocks_override=12, max_num_batched_tokens=64,
-                preemption_mode=mode, swap_space=2**20)
+                preemption_mode=mode, swap_space=2**-10)
     outs = tight.beam_search(prompts, params)
     assert [[s.tokens for s in o.sequences] for o in outs] == ref
     assert tight.engine.scheduler.num_preemptions > 0

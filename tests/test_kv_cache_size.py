@@ -1,5 +1,7 @@
 """The KV-cache pool's automatic size (``kv_cache_memory`` left unset): enough for ``max_num_seqs``
-sequences of ``max_model_len`` tokens, at most half the free memory, on CPU at most 4 GiB."""
+sequences of ``max_model_len`` tokens, at most half the free memory, on CPU at most 4 GiB; or, with
+``gpu_memory_utilization``, at most that share of the device's memory less what is in use. And the
+sizes ``kv_cache_memory`` takes (``4GiB``...)."""
 
 from __future__ import annotations
 
@@ -85,8 +87,66 @@ def test_free_bytes_of_an_accelerator_is_its_allocators_limit_less_its_use():
     assert kv_cache_size.auto_kv_cache_memory(1 << 20, 16, 64, 8192, [big]) == (64 * 512 + 1) << 20
 
 
-@pytest.mark.parametrize("value", [0, -5, 2.5e9, True, "1GiB"])
-def test_kv_cache_memory_must_be_positive_bytes_or_unset(value):
-    with pytest.raises(ValueError, match="kv_cache_memory must be a positive whole number of bytes"):
+@pytest.mark.parametrize("value", [0, -5, 2.5e9, True, "0GiB", "-1GiB", "1GX", "GiB", "4 GiB 2", ""])
+def test_kv_cache_memory_must_be_a_positive_size_or_unset(value):
+    with pytest.raises(ValueError, match="kv_cache_memory must be a (positive size|whole number of bytes or a size)"):
         EngineConfig.from_args(EngineArgs(kv_cache_memory=value))
     assert EngineConfig.from_args(EngineArgs()).cache.kv_cache_memory is None
+
+
+@pytest.mark.parametrize("value, size", [("4GiB", 4 * 2**30), ("4G", 4 * 2**30), ("4gib", 4 * 2**30),
+                                         ("512MiB", 512 * 2**20), ("512M", 512 * 2**20), ("1.5GiB", 3 * 2**29),
+                                         ("64KiB", 2**16), ("2TiB", 2**41), ("1GB", 10**9), ("3MB", 3 * 10**6),
+                                         ("1000", 1000), (" 7 B ", 7), (12345, 12345)])
+def test_kv_cache_memory_takes_sizes_with_units(value, size):
+    assert EngineConfig.from_args(EngineArgs(kv_cache_memory=value)).cache.kv_cache_memory == size
+
+
+def _accelerator(limit: int, in_use: int, platform: str = "gpu"):
+    return types.SimpleNamespace(platform=platform, process_index=0,
+                                 memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
+
+
+def test_gpu_memory_utilization_budget_is_that_share_of_the_device_less_its_use():
+    """vLLM's rule: the pool gets F x the device's memory less what the weights already use, up to the
+    need of max_num_seqs full sequences; without F half the free memory."""
+    gpu = _accelerator(16 << 30, 3 << 30)
+    assert kv_cache_size.budget_bytes(gpu, 0.9) == int(0.9 * (16 << 30)) - (3 << 30)
+    assert kv_cache_size.budget_bytes(gpu, None) == (13 << 30) // 2
+    block = 1 << 20
+    need = (64 * 512 + 1) * block                    # 64 sequences of 8192 tokens in blocks of 16: 32 GiB
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [gpu], 0.9) == int(0.9 * (16 << 30)) - (3 << 30)
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [gpu], 0.5) == (5 << 30)
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [_accelerator(80 << 30, 0)], 0.9) == need
+    # Weights already over the budget: nothing left (the engine then says which budget was too small).
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [gpu], 0.1) < 0
+    assert "gpu_memory_utilization=0.1" in kv_cache_size.budget_rule(0.1)
+
+
+def test_gpu_memory_utilization_on_cpu_is_a_share_of_available_memory_without_the_cap(monkeypatch):
+    cpu = jax.devices("cpu")[0]
+    monkeypatch.setattr(kv_cache_size, "host_available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: [cpu] * 2)     # two devices share the host
+    block = 1 << 20
+    assert kv_cache_size.budget_bytes(cpu, 0.25) == 8 << 30
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [cpu], 0.25) == 8 << 30     # above CPU_CAP
+    assert kv_cache_size.auto_kv_cache_memory(block, 16, 64, 8192, [cpu]) == kv_cache_size.CPU_CAP
+
+
+def test_engine_sizes_its_pool_from_gpu_memory_utilization(tiny, monkeypatch):
+    block = 8 * TINY_BYTES_PER_TOKEN
+    monkeypatch.setattr(kv_cache_size, "device_memory", lambda device: (100 * block, 20 * block))
+    llm = _llm(tiny, max_num_seqs=64, block_size=8, gpu_memory_utilization=0.5)
+    assert llm.engine.cache_info.num_usable_blocks == 50 - 20 - 1
+    # An explicit size wins over the fraction.
+    explicit = _llm(tiny, block_size=8, kv_cache_memory="32KiB", gpu_memory_utilization=0.5)
+    assert explicit.engine.cache_info.num_blocks == 32 * 1024 // block
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 of the device's memory, less what is in use, "
+                                         r"\(0 bytes\) holds 0 blocks"):
+        _llm(tiny, block_size=8, gpu_memory_utilization=0.2)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01, True, "0.9"])
+def test_gpu_memory_utilization_must_be_a_fraction(value):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a fraction in \(0, 1\]"):
+        EngineConfig.from_args(EngineArgs(gpu_memory_utilization=value))

@@ -130,7 +130,7 @@ def test_grouped_steps_under_preemption_and_abort(tiny, preemption_mode):
     between groups and single steps that preempt. An abort lands mid-run. Nothing leaks (``_run``)."""
     path, hf = tiny
     workload = _workload(hf.config.vocab_size)
-    kw = dict(num_gpu_blocks_override=26, preemption_mode=preemption_mode, swap_space=1 << 20)
+    kw = dict(num_gpu_blocks_override=26, preemption_mode=preemption_mode, swap_space=2**-10)
     single = _engine(path, **kw)
     want = _run(single, workload, arrive_every=1, abort=("r2", 9))
     engine = _engine(path, num_scheduler_steps=4, **kw)

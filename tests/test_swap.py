@@ -14,6 +14,7 @@ PROMPTS = random_prompts(np.random.default_rng(0), [1, 5, 17, 40, 9, 23])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 SAMPLED = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4        # layers x (K, V) x block_size 4 x kv heads x head_dim x float32
+BLOCK_GIB = BLOCK_BYTES / 2**30             # swap_space is in GiB, as vLLM's
 TIGHT = dict(block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=64)   # 13 blocks: 52 tokens
 
 
@@ -45,7 +46,7 @@ def assert_pools_empty(eng):
 
 def test_swap_outputs_equal_outputs_without_pressure(tiny, unpressured):
     greedy, sampled, _ = unpressured
-    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=64 * BLOCK_BYTES, **TIGHT)
+    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=64 * BLOCK_GIB, **TIGHT)
     eng = llm.engine
     assert eng.kv_cache_manager.host_pool.num_blocks == 64
     swaps_in, swaps_out = [], []
@@ -76,7 +77,7 @@ def test_swap_outputs_equal_outputs_without_pressure(tiny, unpressured):
 
 def test_full_host_pool_falls_back_to_recompute(tiny, unpressured):
     greedy = unpressured[0]
-    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=5 * BLOCK_BYTES, **TIGHT)
+    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=5 * BLOCK_GIB, **TIGHT)
     eng = llm.engine
     reqs, outs = run(llm, PROMPTS, GREEDY)
     preemptions = sum(r.num_preemptions for r in reqs)
@@ -89,7 +90,7 @@ def test_beam_search_under_swap_pressure(tiny, unpressured):
     """Beams wait for each other every step; idle beams get swapped out and forked from while
     swapped (the fork then recomputes). The beams are those found without pressure."""
     beams = unpressured[2]
-    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=64 * BLOCK_BYTES, block_size=4,
+    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=64 * BLOCK_GIB, block_size=4,
               num_gpu_blocks_override=12, max_num_batched_tokens=64)
     outs = llm.beam_search([PROMPTS[2], PROMPTS[5]], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
     assert llm.engine.scheduler.num_swapped_out > 0

@@ -77,7 +77,7 @@ def test_follower_replays_the_leaders_device_work(tiny):
     ends with the same KV pages, through chunked prefill, prefix hits, copy-on-write (n=2) and swap."""
     path, _ = tiny
     args = EngineArgs(model=str(path), block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=14,
-                      preemption_mode="swap", swap_space=1 << 20)
+                      preemption_mode="swap", swap_space=2**-10)
     leader, follower = (LLMEngine.from_engine_args(args) for _ in range(2))
     channel = _Queue()
     Leader(leader.runner, channel)

