@@ -6,8 +6,8 @@ engine build, because it depends on the devices' platform:
   whose blocks dequantize to float32, no declared dtype) in float16;
 - TPU: bfloat16; TPUs have no fast float16 path (vLLM's TPU backend turns float16 into bfloat16 too);
 - CPU: the faster of what the native kernels run: bfloat16 where the native matmul runs the model and
-  the CPU multiplies bfloat16 pairs in hardware (AMX tiles or AVX512-BF16's ``vdpbf16ps``: 1.6-2x
-  float32's throughput on the benchmark workload), else float32 (XLA's CPU dot and the native
+  the CPU multiplies bfloat16 pairs in hardware (AMX tiles or AVX512-BF16's ``vdpbf16ps``, faster than
+  float32 there: docs/performance.md), else float32 (XLA's CPU dot and the native
   matmul's portable loops are no faster in bfloat16, which only loses precision).
 """
 
