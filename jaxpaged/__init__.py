@@ -1,5 +1,11 @@
 """jaxpaged: a PagedAttention LLM serving engine on JAX."""
 
+import logging
+
+# jaxpaged uses transformers for tokenizers and configs only, never its torch models, so transformers'
+# warning on import that PyTorch was not found does not apply: drop that one record.
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
+
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.config import EngineArgs
 from jaxpaged.request import CompletionOutput, RequestOutput
