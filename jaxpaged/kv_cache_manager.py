@@ -531,9 +531,11 @@ class KVCacheManager:
         """Give a request with no blocks yet the cached blocks of its longest cached prefix.
 
         Sets ``request.block_ids`` and ``request.num_computed_tokens``; returns the tokens hit.
-        At least the last known token is always left to compute (its logits are needed).
+        At least the last known token is always left to compute (its logits are needed). A request that
+        scores its prompt (``prompt_logprobs``) takes no hits: a cached position's logits are not kept (vLLM's rule).
         """
-        if not self.enable_caching or request.block_ids or request.host_block_ids:
+        if (not self.enable_caching or request.block_ids or request.host_block_ids
+                or request.sampling_params.prompt_logprobs is not None):
             return 0
         num_full = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, num_full)[:num_full]

@@ -75,6 +75,23 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny, engine_args):
             assert_position_matches(out.prompt_logprobs[j], prompt[j], ref[j - 1], 3)
 
 
+def test_prompt_logprobs_are_whole_when_the_prompt_is_cached(tiny, llm):
+    """A prompt scored twice (lm-eval's multiple choice sends one context again and again): the second
+    time its blocks are in the prefix cache, and every position is scored all the same, as transformers
+    scores it. Requests without prompt logprobs still take the hits."""
+    prompt = random_prompts(np.random.default_rng(12), [29])[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    ref = hf_logprobs(tiny[1], prompt)
+    for _ in range(2):
+        out = run(llm, [prompt], sp)[0]
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            assert_position_matches(out.prompt_logprobs[j], prompt[j], ref[j - 1], 2)
+    hits = llm.engine.kv_cache_manager.stats.hits
+    run(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    assert llm.engine.kv_cache_manager.stats.hits - hits == (len(prompt) - 1) // 8 * 8
+
+
 def test_seeded_request_is_batch_invariant(tiny, llm):
     target = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, seed=7, max_tokens=12,
                             ignore_eos=True)
