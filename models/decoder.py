@@ -8,7 +8,9 @@ HF config into one and maps its HF tensor names onto this param tree (``convert_
 The model sees a flat ragged batch of tokens and the global KV page array, never requests.
 Layers are unrolled, each with its own parameter arrays (``layers_0`` ... ``layers_{L-1}``): on
 CPU a scan over stacked weights made XLA copy every layer's weight slice each step, which cost
-half of a small-batch decode step (and so would a static slice per layer). With the native CPU
+half of a small-batch decode step (and so would a static slice per layer). ``scan_layers`` (off unless
+asked for: meant for GPUs and TPUs, whose compile time grows with the unrolled depth) runs layers 1..L-1 as
+one ``lax.scan`` over params stacked by ``stack_layers`` instead. With the native CPU
 matmul (``matmul_backend="cpu"``) every kind of layer weight is instead one array stacked over the
 layers (``layers`` below, each leaf ``[L, ...]``), which the native kernels read at the layer's
 offset in place (``pack_for_matmul_backend`` stacks them): a step's jitted call then takes SmolLM2's
@@ -24,6 +26,9 @@ Param tree (the same names mean the same thing in every family; tensor-parallel 
 ``qkv_proj`` (output columns [q heads | k heads | v heads]), ``o_proj``, ``gate_up_proj``
 ([gate | up]) or ``up_proj``, ``down_proj``; then an optional final ``norm``, and ``lm_head``
 unless tied. Kernels are ``[in, out]``.
+
+A float32 model's dots ask for full float32 precision (``matmul_precision``): a GPU's default
+rounds float32 inputs to TF32, and greedy tokens would then drift from a float32 reference.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from jaxpaged.kernels import AttentionMetadata, cpu_matmul
 from jaxpaged.kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul,
                                           native_layer_ops_available)
 from jaxpaged.kernels.kv_ops import take_rows
+from jaxpaged.kernels.precision import matmul_precision
 from jaxpaged.kernels.sharded import paged_attention, split_fused, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -172,7 +178,7 @@ class Embed(nn.Module):
         return take_rows(self.embedding, ids)
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return jnp.dot(h, self.embedding.T)
+        return jnp.dot(h, self.embedding.T, precision=matmul_precision(self.dtype))
 
 
 class Linear(nn.Module):
@@ -205,7 +211,8 @@ class Linear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.features)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), stack + (k, self.features), self.dtype)
-            y = jnp.dot(x, _layer_of(kernel, layer), preferred_element_type=self.out_dtype)
+            y = jnp.dot(x, _layer_of(kernel, layer), precision=matmul_precision(self.dtype),
+                        preferred_element_type=self.out_dtype)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, stack + (self.features,), self.dtype)
             y = y + _layer_of(bias, layer).astype(y.dtype)
@@ -339,6 +346,7 @@ class DecoderForCausalLM(nn.Module):
     attention_backend: str = "xla"
     mesh: Any = None    # set by jaxpaged.parallel.shard_model for tensor parallelism
     matmul_backend: str = "xla"     # "cpu": kernels packed for the native CPU matmul (one device only)
+    scan_layers: bool = False       # layers 1..L-1 as one lax.scan over params stacked by stack_layers
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices, num_logits=None):
@@ -358,12 +366,15 @@ class DecoderForCausalLM(nn.Module):
         delta = None
         # The native CPU matmul reads every layer's weights from arrays stacked over the layers.
         stacked = self.matmul_backend == "cpu"
-        layers = ([DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, self.matmul_backend, c.num_layers,
-                                name="layers")] * c.num_layers if stacked else
-                  [DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, self.matmul_backend,
-                                name=layer_name(i)) for i in range(c.num_layers)])
-        for i, layer in enumerate(layers):
-            h, delta, kv_pages = layer(h, delta, kv_pages, rope, md, i)
+        layer_kind = functools.partial(DecoderLayer, c, self.dtype, self.attention_backend, self.mesh,
+                                       self.matmul_backend)
+        if self.scan_layers:
+            h, delta, kv_pages = self._scanned_layers(layer_kind, h, kv_pages, rope, md)
+        else:
+            layers = ([layer_kind(c.num_layers, name="layers")] * c.num_layers if stacked else
+                      [layer_kind(name=layer_name(i)) for i in range(c.num_layers)])
+            for i, layer in enumerate(layers):
+                h, delta, kv_pages = layer(h, delta, kv_pages, rope, md, i)
         h = h[logits_indices]
         delta = None if delta is None else delta[logits_indices]
         if c.final_norm:
@@ -378,6 +389,35 @@ class DecoderForCausalLM(nn.Module):
         tied = c.tie_word_embeddings and self.matmul_backend != "cpu"
         logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h, num_logits)
         return logits.astype(jnp.float32), kv_pages
+
+
+    def _scanned_layers(self, layer_kind, h, kv_pages, rope, md):
+        """Every layer on params stacked over the layers (``layers``, leaves ``[L, ...]``): layer 0 as a
+        call (it creates the params at init, and its output fixes the loop carry's structure: a pre-norm
+        layer returns a residual ``delta``), layers 1..L-1 as one ``lax.scan`` over the layer index, which
+        the weights, the page array and the kernels take as a traced scalar. XLA then compiles one layer,
+        not L: the lever on an accelerator's compile time. Off on CPU, where XLA copied every layer's
+        weight slices out of the stack at each step of such a loop."""
+        if self.matmul_backend != "xla" or native_layer_ops(self.attention_backend, self.mesh) or self.mesh is not None:
+            raise ValueError("scan_layers runs XLA's dot and ops on one device (matmul_backend='xla', no native "
+                             "layer ops, no tensor parallelism)")
+        L = self.cfg.num_layers
+        h, delta, kv_pages = layer_kind(L, name="layers")(h, None, kv_pages, rope, md, 0)
+        params = {"params": self.variables["params"]["layers"]}
+        step = layer_kind(L)
+
+        def body(carry, i):
+            return step.apply(params, *carry, rope, md, i), None
+        return jax.lax.scan(body, (h, delta, kv_pages), jnp.arange(1, L, dtype=jnp.int32))[0]
+
+
+def stack_layers(params: dict, cfg: DecoderConfig) -> dict:
+    """The param tree of ``scan_layers``: the per-layer params (``layers_{i}``) stacked into ``layers``,
+    each leaf ``[L, ...]`` (host numpy, once at load)."""
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(a) for a in leaves]),
+                                           *[params[layer_name(i)] for i in range(cfg.num_layers)])
+    return out
 
 
 def runs_quantized(backend: str) -> bool:

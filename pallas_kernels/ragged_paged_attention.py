@@ -46,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.precision import matmul_precision
 
 Variant = Literal["tpu", "gpu", "interpret"]
 
@@ -119,11 +120,6 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array |
 # ----------------------------------------------------------------------------- shared math
 
 
-def _dot_precision(dtype) -> lax.Precision | None:
-    """Full-precision float32 matmuls (no TF32 / single bf16 pass); 16-bit inputs are exact on the MXU."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, m: jax.Array, denom: jax.Array,
                   acc: jax.Array, mask: jax.Array, v_valid: jax.Array, *, scale: float,
                   soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,7 +131,7 @@ def _attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, m: jax.Array, denom:
     """
     dtype = jnp.promote_types(q.dtype, k.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    precision = _dot_precision(dtype)
+    precision = matmul_precision(dtype)  # float32: IEEE dots in Triton (its default is TF32)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.precision import matmul_precision
 
 
 def token_rows_and_positions(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -34,9 +35,12 @@ def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                       scale: float, soft_cap: float | None) -> jax.Array:
     """GQA attention of ``q[B, Q, Hkv, G, D]`` over ``k, v[B, K, Hkv, D]`` with ``mask[B, Q, K]``.
 
-    Scores and softmax run in float32; fully masked queries give zeros.
+    Scores and softmax run in float32; fully masked queries give zeros. The dots take float32
+    inputs at full float32 precision when ``q`` (scores) and ``v`` (output) came as float32
+    (``matmul_precision``: a GPU's default would round them to TF32), else the platform's default.
     """
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.astype(jnp.float32), k.astype(jnp.float32),
+                   precision=matmul_precision(q.dtype)) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
@@ -44,7 +48,7 @@ def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=matmul_precision(v.dtype))
     return out
 
 

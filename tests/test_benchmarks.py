@@ -855,3 +855,62 @@ def test_throughput_hf_warms_up_before_its_timed_passes():
     assert calls[0] == (4, warm) and warm < longest(reqs[:4])
     assert calls[1:] == [(1, r.output_len) for r in reqs] + [(4, longest(reqs[:4])), (1, reqs[4].output_len)]
     assert best["batch_size"] in (1, 4)
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_goes_through_every_section(tmp_path):
+    """``benchmarks.gpu`` on a CPU: every section at tiny sizes, the Pallas kernel interpreted; the JSON has
+    each section's figures, the cached second start reads every program its cold start stored, and the
+    table and plot are written."""
+    import json
+    import subprocess
+
+    from benchmarks import gpu
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--results-dir", str(tmp_path), "--work-dir",
+                           str(tmp_path / "work")], cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    s = r["sections"]
+    assert r["dry_run"] and list(s) == list(gpu.SECTIONS)
+    assert {name: sec["status"] for name, sec in s.items()} == {name: "ok" for name in gpu.SECTIONS}, proc.stdout
+    assert s["kernel_correctness"]["all_match"]
+    assert [c["case"] for c in s["kernel_correctness"]["cases"]] == list(gpu.dry_plan().cases)
+    for row in s["kernel_times"]["rows"]:
+        assert set(row["ms"]) == {"pallas_interpret", "xla"} and row["pallas_gb_s"] > 0 and row["share_of_copy"] > 0
+    for name in ("greedy_small", "greedy_big"):
+        for backend in ("pallas_interpret", "xla") if name == "greedy_small" else ("pallas_interpret",):
+            assert s[name][backend]["identical"] == s[name][backend]["prompts"] == gpu.dry_plan().greedy_prompts
+    cold, cached = s["startup"]["cold"], s["startup"]["cached"]
+    assert cold["from_cache"] == 0 < cold["programs"]
+    assert cached["from_cache"] == cached["programs"] == cold["programs"]
+    tp = s["throughput"]
+    assert tp["requests"] == gpu.dry_plan().n and tp["output_tok_s"] > 0 and tp["programs_compiled_while_timed"] == 0
+    assert tp["traced"]["device_idle_share"] is None     # a CPU has no device timeline
+    assert s["hf_static"]["requests"] == gpu.dry_plan().hf_n and s["hf_static"]["output_tok_s"] > 0
+    assert (tmp_path / "gpu-dry-run.png").stat().st_size > 0
+    assert "kernel correctness   mixed-bs8-d64-gqa1" in proc.stdout
+
+
+def test_gpu_check_reports_a_kernel_mismatch_and_token_divergences(monkeypatch, tmp_path):
+    """The checks can fail: a reference 0.1 off makes every correctness row a mismatch, and tokens that part
+    from the reference's are counted with the reference's margin where they part."""
+    from benchmarks import gpu
+    from jaxpaged.kernels import reference
+
+    exact = reference.ragged_paged_attention_reference
+    monkeypatch.setattr(reference, "ragged_paged_attention_reference", lambda *a, **kw: exact(*a, **kw) + 0.1)
+    plan = gpu.dry_plan()
+    run = gpu.Run(plan=plan, dry_run=True, work=tmp_path, results_dir=tmp_path, deadline=math.inf,
+                  results={"sections": {}})
+    out = gpu.section_kernel_correctness(run)
+    assert not out["all_match"] and not any(c["match"] for c in out["cases"])
+    assert all(c["nan_safe"] for c in out["cases"])
+    run.results["sections"]["kernel_correctness"] = {"status": "ok", **out}
+    assert any("MISMATCH" in row[2] for row in gpu.summary_rows(run.results))
+
+    c = gpu.compare_tokens([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 9]],
+                           [[0.5] * 3, [0.1, 0.02, 0.3], [1.0] * 3])
+    assert c == {"prompts": 3, "identical": 1, "divergences": [{"prompt": 1, "position": 1, "hf_margin": 0.02},
+                                                               {"prompt": 2, "position": 2, "hf_margin": 1.0}]}

@@ -16,7 +16,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
 from jaxpaged.models import registry
 from jaxpaged.models.decoder import (ACTIVATIONS, DecoderForCausalLM, activate, column_sections, init_params, layer_name,
-                            pack_for_matmul_backend, parallel_style)
+                            pack_for_matmul_backend, parallel_style, stack_layers)
 from jaxpaged.kernels import AttentionMetadata
 from jaxpaged.kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
@@ -294,3 +294,80 @@ def test_bfloat16_activations_round_once_as_torch_does(name):
     x_jax = jax.numpy.asarray(x.float().numpy()).astype(jax.numpy.bfloat16)
     got = np.asarray(jax.jit(activate, static_argnums=0)(name, x_jax).astype(jax.numpy.float32))
     assert np.mean(got == want) >= MIN_AGREEMENT.get(name, 1.0), np.mean(got == want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_float32_models_ask_for_float32_dots_on_gpus(name, dtype):
+    """Lowered for a GPU, every dot of a float32 model (projections, the tied or untied head, the
+    ``xla`` backend's attention) carries ``HIGHEST`` precision, so XLA does not round its inputs to
+    TF32; a bfloat16 model's dots keep the default (its 16-bit inputs are exact on tensor cores)."""
+    _, cfg = registry.config_from_hf(hf_config(name))
+    T, bs = 5, 8
+    md = AttentionMetadata(slot_mapping=np.arange(T, dtype=np.int32) + bs, block_tables=np.ones((1, 1), np.int32),
+                           seq_lens=np.array([T], np.int32), query_start_loc=np.array([0, T], np.int32),
+                           tile_row=np.zeros(1, np.int32), tile_start=np.zeros(1, np.int32),
+                           tile_len=np.array([T], np.int32), tile_size=8)
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, 2, 2, bs, cfg.num_kv_heads, cfg.head_dim), dtype)
+    module = DecoderForCausalLM(cfg, dtype, "xla")
+    params = jax.eval_shape(lambda: init_params(cfg, dtype))
+    ids = np.arange(3, 3 + T, dtype=np.int32)
+    lowered = jax.jit(module.apply).trace({"params": params}, ids, np.arange(T, dtype=np.int32), kv, md,
+                                          np.array([T - 1], np.int32)).lower(lowering_platforms=("cuda",))
+    dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+    # qkv, o, MLP (2) per layer, the head, and the attention's two passes (decode, prefill) x 2 dots.
+    assert len(dots) >= 4 * cfg.num_layers + 1 + 4 * cfg.num_layers
+    assert all(("precision = [HIGHEST, HIGHEST]" in line) == (dtype == "float32") for line in dots), dots
+
+
+def _greedy_forward(module, params, prompt: list[int], n: int, block_size: int = 8, blocks: int = 8):
+    """Greedy tokens and logits from the forward alone: the prompt in one step, then one decode step per
+    token, one sequence whose KV lives in blocks 1..``blocks`` of the page array."""
+    cfg = module.cfg
+    kv = jax.numpy.zeros((cfg.num_layers, 2, blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim), module.dtype)
+    table = np.arange(1, blocks + 1, dtype=np.int32)[None]
+    step = jax.jit(module.apply)
+    ids, pos = np.asarray(prompt, np.int32), np.arange(len(prompt), dtype=np.int32)
+    tokens, logits = [], []
+    for _ in range(n):
+        md = AttentionMetadata(slot_mapping=pos + block_size, block_tables=table, seq_lens=pos[-1:] + 1,
+                               query_start_loc=np.array([0, len(ids)], np.int32), tile_row=np.zeros(0, np.int32),
+                               tile_start=np.zeros(0, np.int32), tile_len=np.zeros(0, np.int32))
+        out, kv = step({"params": params}, ids, pos, kv, md, np.array([len(ids) - 1], np.int32))
+        logits.append(np.asarray(out[0]))
+        tokens.append(int(np.argmax(logits[-1])))
+        ids, pos = np.array(tokens[-1:], np.int32), pos[-1:] + 1
+    return tokens, np.stack(logits)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("name", ["qwen2", "opt_post_ln", "gpt2"])
+def test_layer_scan_computes_what_the_unrolled_layers_compute(name, backend):
+    """``scan_layers`` (layer 0 as a call, then one lax.scan over the stacked params with a traced layer index,
+    for accelerators' compile time) gives the unrolled model's logits (bit for bit on jax 0.10; within 1e-5 on
+    0.12, which fuses a loop body differently) and its greedy tokens: pre-norm (a residual carried between
+    layers) and post-norm, tied and untied heads, biases, both backends."""
+    layers_key = "n_layer" if name == "gpt2" else "num_hidden_layers"
+    _, cfg = registry.config_from_hf(hf_config(name, **{layers_key: 4}))
+    assert cfg.num_layers == 4
+    params = _noisy(init_params(cfg, np.float32))
+    prompt = [5, 9, 3, 17, 4, 8, 11]
+    unrolled = _greedy_forward(DecoderForCausalLM(cfg, np.float32, backend), params, prompt, 6)
+    scanned = _greedy_forward(DecoderForCausalLM(cfg, np.float32, backend, scan_layers=True),
+                              stack_layers(params, cfg), prompt, 6)
+    assert scanned[0] == unrolled[0]
+    np.testing.assert_allclose(scanned[1], unrolled[1], rtol=0, atol=1e-5)
+
+
+def test_layer_scan_refuses_the_native_cpu_kernels():
+    """The scan passes the layer index traced, which the native CPU kernels do not take."""
+    _, cfg = registry.config_from_hf(hf_config("qwen2"))
+    module = DecoderForCausalLM(cfg, np.float32, "xla", matmul_backend="cpu", scan_layers=True)
+    md = AttentionMetadata(slot_mapping=np.zeros(1, np.int32), block_tables=np.zeros((1, 1), np.int32),
+                           seq_lens=np.ones(1, np.int32), query_start_loc=np.array([0, 1], np.int32),
+                           tile_row=np.zeros(0, np.int32), tile_start=np.zeros(0, np.int32),
+                           tile_len=np.zeros(0, np.int32))
+    kv = np.zeros((cfg.num_layers, 2, 2, 1, cfg.num_kv_heads, cfg.head_dim), np.float32)
+    with pytest.raises(ValueError, match="scan_layers"):
+        jax.eval_shape(lambda: module.init(jax.random.key(0), np.zeros(1, np.int32), np.zeros(1, np.int32), kv, md,
+                                           np.zeros(1, np.int32)))

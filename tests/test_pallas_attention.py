@@ -13,8 +13,10 @@ MXU / tensor cores do, while the reference keeps them in float32; both round the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -270,6 +272,21 @@ def test_dispatch_pallas_interpret_matches_xla() -> None:
     np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=1e-2)
 
 
+def lower_for(platform: str, case: Case):
+    """The kernel (``variant=None``: chosen by platform) for ``case``, lowered for ``platform`` on this host.
+
+    A Triton lowering asks for the GPU's compute capability: from jax 0.11 on, a host without a GPU
+    must name one (an abstract H100), where jax 0.10 assumed sm_90 itself.
+    """
+    b = build_batch(case)
+    fn = functools.partial(ragged_paged_attention, **attn_kwargs(case))
+    layer = jnp.int32(LAYER)
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh) if platform == "cuda" else contextlib.nullcontext():
+        return jax.jit(fn).trace(b.q, b.kv, layer, b.md).lower(lowering_platforms=(platform,))
+
+
 @pytest.mark.parametrize("platform,call", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lowers_for_accelerators(platform: str, call: str, dtype: str) -> None:
@@ -279,10 +296,63 @@ def test_lowers_for_accelerators(platform: str, call: str, dtype: str) -> None:
     compile run later, on the device's compiler (see ``python -m benchmarks.kernels --compile-check``).
     """
     case = dataclasses.replace(CASES["window-softcap-bs32-d128-gqa1"], q_heads=12, kv_heads=3, dtype=dtype)
+    assert call in lower_for(platform, case).as_text()
+
+
+def triton_dots(lowered) -> list[tuple[str, int]]:
+    """``(input type, inputPrecision)`` of every ``tt.dot`` in the Triton modules of a lowered program."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt  # private: the Triton dialect jaxlib bundles
+
+    dots = []
+
+    def walk(op) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call" and "triton" in str(
+                            inner.attributes["call_target_name"]):
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        with ir.Context() as ctx:
+                            tt.register_dialect(ctx)
+                            module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
+                            text = module.operation.get_asm(print_generic_op_form=True)
+                        dots.extend((m.group(2), int(m.group(1))) for m in re.finditer(
+                            r'"tt\.dot"\(.*?inputPrecision = (\d+) : i32.*?: \(tensor<\d+x\d+x(\w+)>', text))
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return dots
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kernel_dots_are_full_float32_for_float32_inputs(dtype: str) -> None:
+    """Triton's default for a float32 ``dot`` is TF32 (inputs rounded to 10 mantissa bits: errors of
+    ~1e-3 against the reference); the kernel asks for IEEE float32 when its inputs are float32 and
+    leaves 16-bit dots as they are (exact on tensor cores)."""
+    from jax._src.lib.triton import dialect as tt
+
+    case = dataclasses.replace(CASES["window-bs16-d64-gqa3"], dtype=dtype)
+    dots = triton_dots(lower_for("cuda", case))
+    assert len(dots) == 2                       # q @ k^T and p @ v
+    ieee = int(tt.InputPrecision.IEEE)
+    if dtype == "float32":
+        assert dots == [("f32", ieee)] * 2
+    else:
+        assert all(t == "bf16" and p != ieee for t, p in dots)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_dots_are_highest_for_float32_inputs(dtype: str) -> None:
+    """The reference the kernels are checked against on a GPU must itself be float32 there: its dots
+    (and so the ``xla`` backend's) carry ``HIGHEST`` precision for float32 inputs, none for 16-bit ones."""
+    case = dataclasses.replace(CASES["window-bs16-d64-gqa3"], dtype=dtype)
     b = build_batch(case)
-    fn = functools.partial(ragged_paged_attention, **attn_kwargs(case))
-    text = jax.jit(fn).trace(b.q, b.kv, jnp.int32(LAYER), b.md).lower(lowering_platforms=(platform,)).as_text()
-    assert call in text
+    fn = functools.partial(ragged_paged_attention_reference, **attn_kwargs(case))
+    text = jax.jit(fn).trace(b.q, b.kv, jnp.int32(LAYER), b.md).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 2
+    assert all(("HIGHEST" in line) == (dtype == "float32") for line in dots)
 
 
 def test_rejects_bad_shapes() -> None:
