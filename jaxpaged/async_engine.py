@@ -8,7 +8,10 @@ aborts or steps. Callers on any asyncio event loop hand it work through a locked
 and read outputs from per-request ``RequestStream``s, fed with ``call_soon_threadsafe``. The
 jitted step releases the GIL, so an event loop keeps serving HTTP while the model runs.
 Validation (``LLMEngine.make_request``: tokenization, parameter and length checks) runs in the
-caller's thread, so a bad request is refused at once without waiting for a step.
+caller's thread, so a bad request is refused at once without waiting for a step. The prompts of one
+API request are added in one command (``add_requests``) and aborted in one (``abort`` with their
+ids); the loop thread applies commands outside the lock, so an event loop queueing more never waits
+while a thousand adds are applied.
 
 The loop thread takes the GIL back several times per step (after each device call). With
 Python's default 5 ms switch interval it can wait that long each time while the event loop
@@ -22,13 +25,15 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.generation_config import GenerationDefaults
-from jaxpaged.request import Request, RequestOutput
+from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:                   # the engine pulls in JAX; importing this module should not
@@ -46,7 +51,15 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should retry later."""
+    """The waiting queue is full, or a request waited in it past ``max_queue_time``; the caller
+    should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while processing this one request (finish reason "error"); it serves the others."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the engine failed while processing request {request_id}; it keeps serving the others.")
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,8 @@ class RequestStream:
     A reader that falls behind gets one output for the several it missed: the newest of
     ``CUMULATIVE`` ones (each carries everything so far), or the ``DELTA`` ones merged into one
     (``RequestOutput.add``), so nothing is lost and a stream holds at most one output. Leaving
-    ``async with stream`` before the request finished aborts it, freeing its KV blocks.
+    ``async with stream`` before the request finished aborts it, freeing its KV blocks. A request
+    the engine ended with finish reason "error" raises ``RequestFailedError`` after what it output.
     """
 
     def __init__(self, request: Request, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop) -> None:
@@ -95,6 +109,9 @@ class RequestStream:
         return self.last is not None and self.last.finished
 
     def _put(self, output: RequestOutput) -> None:
+        if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+            self._fail(RequestFailedError(self.request_id))
+            return
         if self._delta and self._pending is not None:
             self._pending.add(output)
         else:
@@ -140,14 +157,14 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    request: Request
-    stream: RequestStream
+    requests: list[Request]
+    streams: list[RequestStream]
     admitted: asyncio.Future
 
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_ids: list[str]
 
 
 class AsyncLLMEngine:
@@ -155,18 +172,27 @@ class AsyncLLMEngine:
 
     ``max_waiting_requests`` bounds the requests queued but not running: past it,
     ``add_request`` raises ``EngineOverloadedError`` instead of letting memory grow.
+    ``max_queue_time`` (seconds; None: no limit) bounds how long an added request may wait for its
+    first step: one whose prompts have none started by then ends with ``EngineOverloadedError``, as
+    a full queue at full load means minutes of waiting, better spent retrying elsewhere.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 max_queue_time: float | None = None) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}.")
+        if max_queue_time is not None and not max_queue_time > 0:
+            raise ValueError(f"max_queue_time must be a positive number of seconds (or None), got {max_queue_time}.")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_queue_time = max_queue_time
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._commands: deque[_Add | _Abort] = deque()
         self._num_pending_adds = 0
         self._streams: dict[str, RequestStream] = {}      # loop thread only
+        self._queued: deque[tuple[float, list[Request]]] = deque()
+        """(deadline, requests) of the adds subject to ``max_queue_time``, oldest first (loop thread only)."""
         self._error: EngineDeadError | None = None
         self._stopping = False
         self.stats = self._snapshot()
@@ -175,11 +201,11 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs,
-                         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> AsyncLLMEngine:
+    def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                         max_queue_time: float | None = None) -> AsyncLLMEngine:
         from jaxpaged.engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(args), max_waiting_requests)
+        return cls(LLMEngine.from_engine_args(args), max_waiting_requests, max_queue_time)
 
     # ---- read-only facts, safe from any thread -------------------------------------------
 
@@ -203,43 +229,56 @@ class AsyncLLMEngine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                     cache_salt: str | None = None) -> Request:
+                     cache_salt: str | None = None, priority: int = 0) -> Request:
         """Validate and tokenize without queueing (raises ``ValueError``); see ``add_request``."""
-        return self.engine.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt)
+        return self.engine.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
 
     async def add_request(self, request: Request) -> RequestStream:
-        """Queue a request made by ``make_request``; returns once the scheduler accepted it.
+        """Queue a request made by ``make_request``; returns once the scheduler accepted it
+        (``add_requests``, for one request)."""
+        return (await self.add_requests([request]))[0]
 
-        Raises ``ValueError`` if the scheduler refuses it (nothing is left behind),
-        ``EngineOverloadedError`` if the waiting queue is full, ``EngineDeadError`` if the
-        engine has stopped.
+    async def add_requests(self, requests: Sequence[Request]) -> list[RequestStream]:
+        """Queue requests made by ``make_request``, the prompts of one API request, together: one
+        command, applied between two steps, all or none; they then take turns with other calls'
+        requests. Returns their streams once the scheduler accepted them; cancelled meanwhile, aborts them.
+
+        Raises ``ValueError`` if the scheduler refuses one (nothing is left behind) or they are more
+        than the waiting queue holds, ``EngineOverloadedError`` if the waiting queue has no room for
+        them now, ``EngineDeadError`` if the engine has stopped, ``RequestFailedError`` if adding them
+        failed otherwise.
         """
+        if len(requests) > self.max_waiting_requests:
+            raise ValueError(f"{len(requests)} prompts in one request are more than the waiting queue holds "
+                             f"({self.max_waiting_requests}); send at most that many at once.")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request, self, loop)
+        streams = [RequestStream(r, self, loop) for r in requests]
         admitted = loop.create_future()
         with self._lock:
             if self._error is not None:
                 raise self._error
-            if self.stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+            if self.stats.num_waiting + self._num_pending_adds + len(requests) > self.max_waiting_requests:
                 raise EngineOverloadedError(
-                    f"the server is overloaded: {self.max_waiting_requests} requests are already waiting; "
-                    f"retry later.")
-            self._commands.append(_Add(request, stream, admitted))
-            self._num_pending_adds += 1
+                    f"the server is overloaded: {self.stats.num_waiting + self._num_pending_adds} requests are "
+                    f"already waiting (at most {self.max_waiting_requests}); retry later.")
+            self._commands.append(_Add(list(requests), streams, admitted))
+            self._num_pending_adds += len(requests)
         self._wakeup.set()
         try:
             await admitted
         except asyncio.CancelledError:
-            self.abort(request.request_id)
+            self.abort(r.request_id for r in requests)
             raise
-        return stream
+        return streams
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is and free its blocks; a no-op once it has finished."""
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Drop requests (an id, or several: vLLM's signature) wherever they are and free their
+        blocks, in one command; a no-op for those that have finished."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            if self._error is not None:
+            if self._error is not None or not ids:
                 return
-            self._commands.append(_Abort(request_id))
+            self._commands.append(_Abort(ids))
         self._wakeup.set()
 
     def shutdown(self) -> None:
@@ -270,32 +309,63 @@ class AsyncLLMEngine:
         self._die(EngineDeadError("the engine has been shut down."))
 
     def _serve_commands(self) -> bool:
-        """Apply the queued adds and aborts, in order; False once shutdown has been asked for."""
-        with self._lock:
-            self._wakeup.clear()
-            while self._commands:
-                self._apply(self._commands.popleft())
-            self._num_pending_adds = 0
+        """Apply the queued adds and aborts in order, each outside the lock (the event loop takes it to
+        queue more), then time out what waited too long; False once shutdown has been asked for."""
+        self._wakeup.clear()
+        applied = 0
+        while True:
+            with self._lock:
+                if not self._commands:
+                    break
+                command = self._commands.popleft()
+            self._apply(command)
+            applied += len(command.requests) if isinstance(command, _Add) else 0
+        self._expire_queued()
+        with self._lock:                # the stats now count the requests the pending count did
+            self._num_pending_adds -= applied
             self.stats = self._snapshot()
             return not self._stopping
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            stream = self._streams.pop(command.request_id, None)
-            if stream is not None:
-                _post(stream.loop, stream._close)
+            for request_id in command.request_ids:
+                self.engine.abort_request(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    _post(stream.loop, stream._close)
             return
         try:
-            self.engine.add_prepared_request(command.request)
+            self.engine.add_prepared_requests(command.requests)
         except ValueError as e:
             _resolve(command.admitted, e)
+            return
+        except Exception:           # these requests' failure: adding is all or nothing
+            logger.exception("adding request %s failed; the engine goes on", command.requests[0].request_id)
+            _resolve(command.admitted, RequestFailedError(command.requests[0].request_id))
             return
         except BaseException:
             _resolve(command.admitted, EngineDeadError("the engine failed while adding a request."))
             raise
-        self._streams[command.request.request_id] = command.stream
+        self._streams.update((r.request_id, s) for r, s in zip(command.requests, command.streams))
+        if self.max_queue_time is not None:
+            self._queued.append((time.monotonic() + self.max_queue_time, command.requests))
         _resolve(command.admitted, None)
+
+    def _expire_queued(self) -> None:
+        """End the added requests none of whose prompts has started within ``max_queue_time``
+        (``EngineOverloadedError``), freeing their place in the queue."""
+        now = time.monotonic()
+        while self._queued and self._queued[0][0] <= now:
+            _, requests = self._queued.popleft()
+            if any(r.status is not RequestStatus.WAITING for r in requests):
+                continue                    # started, or ended already
+            error = EngineOverloadedError(f"the request waited {self.max_queue_time:g} s without starting: "
+                                          f"the server is overloaded; retry later.")
+            for r in requests:
+                self.engine.abort_request(r.request_id)
+                stream = self._streams.pop(r.request_id, None)
+                if stream is not None:
+                    _post(stream.loop, stream._fail, error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their streams: one callback per event loop per step."""

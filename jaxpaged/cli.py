@@ -16,11 +16,12 @@ import typing
 from collections.abc import Callable
 
 from jaxpaged.config import (ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPE_CHOICES, MATMUL_BACKENDS, PREEMPTION_MODES,
-                             QUANTIZATIONS, EngineArgs)
+                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineArgs, parse_size)
 from jaxpaged.sampling_params import SamplingParams
 
 _CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "matmul_backend": MATMUL_BACKENDS,
-            "quantization": QUANTIZATIONS, "preemption_mode": PREEMPTION_MODES}
+            "quantization": QUANTIZATIONS, "preemption_mode": PREEMPTION_MODES,
+            "scheduling_policy": SCHEDULING_POLICIES}
 _ALIASES = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 """vLLM's short names of engine arguments."""
 _BOOL_WORDS = {"true", "false", "True", "False", "yes", "no", "on", "off", "1", "0"}
@@ -133,6 +134,23 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return convert
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -193,7 +211,8 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from jaxpaged.async_engine import AsyncLLMEngine
     from jaxpaged.server import build_app
-    from jaxpaged.server.app import CORSOptions
+    from jaxpaged.server.app import EXIT_GRACE, CORSOptions, GracefulServer
+    from jaxpaged.server.serving import ServerLimits
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = engine_args_from(ns)
@@ -205,21 +224,24 @@ def _serve(ns: argparse.Namespace) -> int:
         sync_engine = distributed.build_engine(args)
         if sync_engine is None:
             return 0
-        engine = AsyncLLMEngine(sync_engine, max_waiting_requests=ns.max_waiting_requests)
+        engine = AsyncLLMEngine(sync_engine, ns.max_waiting_requests, ns.max_queue_time or None)
     else:
-        engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=ns.max_waiting_requests)
+        engine = AsyncLLMEngine.from_engine_args(args, ns.max_waiting_requests, ns.max_queue_time or None)
     try:
         cors = CORSOptions(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
+        limits = ServerLimits(ns.max_request_body_bytes, ns.max_seqs_per_request, ns.max_tokens_per_request)
         app = build_app(engine, ns.served_model_name or [args.model], api_key=ns.api_key, log_prompts=ns.log_prompts,
                         log_requests=ns.log_requests, max_log_len=ns.max_log_len, chat_template=ns.chat_template,
-                        cors=cors)
+                        cors=cors, limits=limits)
         # What is loaded by now (JAX, transformers, the model, the app) lives as long as the server: out of
         # the cyclic collector's reach, a full collection walks only what serving allocates, instead of
         # stalling every stream for ~0.3 s over half a million objects.
         gc.collect()
         gc.freeze()
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, root_path=ns.root_path,
-                    ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile)
+        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, root_path=ns.root_path,
+                                ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
+                                timeout_graceful_shutdown=EXIT_GRACE)
+        GracefulServer(config, engine, ns.shutdown_timeout).run()
     finally:
         engine.shutdown()
         if multihost:
@@ -235,12 +257,19 @@ def _convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_MAX_QUEUE_TIME = 60.0
+"""At full load the 1,024-deep queue is minutes long; after a minute (a common load balancer idle time-out) a
+client is better off retrying elsewhere."""
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+"""Kubernetes' default grace period is 30 s; give the pod a longer one to use all of it."""
+
 _CHAT_TEMPLATE_HELP = ("Jinja chat template used instead of the tokenizer's: a file's path, or the template's text "
                        "itself (told apart as vLLM does).")
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+    from jaxpaged.server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServerLimits
 
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="The model, as in `vllm serve MODEL` (or --model; both: the same one).")
@@ -253,8 +282,27 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="Names clients may use for the model; responses and /metrics report the first, "
                             "/v1/models lists them all (default: the model argument).")
     serve.add_argument("--chat-template", type=load_chat_template, default=None, help=_CHAT_TEMPLATE_HELP)
-    serve.add_argument("--max-waiting-requests", type=_int_at_least(1), default=DEFAULT_MAX_WAITING_REQUESTS,
-                       help="Queued requests beyond this are refused with 503 instead of piling up.")
+    limits = serve.add_argument_group("limits (what one request may take; past them: 400, 413 or 503)")
+    limits.add_argument("--max-waiting-requests", type=_int_at_least(1), default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="Queued requests (prompts) beyond this are refused with 503 + Retry-After instead of "
+                             "piling up (default: %(default)s).")
+    limits.add_argument("--max-queue-time", type=_seconds, default=DEFAULT_MAX_QUEUE_TIME,
+                        help="Seconds a request may wait for its first step; then it ends with 503 + Retry-After "
+                             "(a stream: an error event), so that a full queue (minutes deep at full load) sends "
+                             "clients elsewhere instead of holding them; 0: no limit (default: %(default)s).")
+    limits.add_argument("--max-request-body-bytes", type=_size, default=ServerLimits.max_request_body_bytes,
+                        help="Larger request bodies get 413 before they are read (bytes, or a size such as 4MiB; "
+                             "default: 4MiB).")
+    limits.add_argument("--max-seqs-per-request", type=_int_at_least(1), default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="Most sequences one request may run: prompts x n (or best_of); more is a 400 "
+                             "(default: %(default)s).")
+    limits.add_argument("--max-tokens-per-request", type=_int_at_least(1), default=None,
+                        help="Largest max_tokens a request gets: larger or unset ones are capped to it, as a model's "
+                             "max_new_tokens caps them (default: only --max-model-len bounds it).")
+    serve.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                       help="On SIGTERM/SIGINT: seconds requests in flight may take to finish while new ones get 503; "
+                            "then the rest end with an error and the server exits 0. A second signal exits at once. "
+                            "(vLLM's flag; default: %(default)s, vLLM's is 0.)")
     serve.add_argument("--root-path", default="",
                        help="Path prefix a proxy serves the API under (uvicorn's root_path).")
     serve.add_argument("--ssl-keyfile", type=_existing_file, default=None, help="Serve HTTPS with this private key.")

@@ -22,6 +22,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's other names for two of ``DTYPES`` (``--dtype half`` in a copied command line)."""
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_SCHEDULER_STEPS = 64
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged")
 
@@ -118,6 +119,11 @@ class EngineArgs:
                                 "copy them to a host page pool (swap_space) and back (recompute if it is full).")
     swap_space: float = _arg(0.5, "GiB of host memory for swapped-out KV blocks, per device (used with "
                              "preemption_mode=swap; vLLM's unit, its default is 4).")
+    scheduling_policy: str = _arg("fcfs", f"Which waiting request runs next, one of {SCHEDULING_POLICIES} "
+                                  "(vLLM's): fcfs = in arrival order; priority = lowest request priority first (then "
+                                  "arrival order), and preemption takes the lowest-priority running request first. "
+                                  "Either way the prompts of one multi-prompt request take turns with other "
+                                  "requests', so a large request cannot starve the ones after it.")
     attention_backend: str = _arg("auto", f"Paged attention implementation, one of {ATTENTION_BACKENDS}: "
                                   "auto = Pallas on GPU/TPU; on CPU the native C++ kernel "
                                   "(cpu) if it was built at install, else plain XLA ops (xla).")
@@ -221,6 +227,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str = "recompute"
     num_scheduler_steps: int = 1
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {a.max_num_seqs}.")
         if a.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {a.preemption_mode!r}.")
+        if a.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {a.scheduling_policy!r}.")
         if not _is_number(a.swap_space) or not 0 <= a.swap_space < math.inf:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {a.swap_space!r}.")
         if a.attention_backend not in ATTENTION_BACKENDS:
@@ -286,7 +295,7 @@ class EngineConfig:
             cache=CacheConfig(a.block_size, kv_memory, a.num_gpu_blocks_override, a.enable_prefix_caching,
                               round(a.swap_space * 2**30) if a.preemption_mode == "swap" else 0, utilization),
             scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs, a.enable_chunked_prefill,
-                                      a.preemption_mode, a.num_scheduler_steps),
+                                      a.preemption_mode, a.num_scheduler_steps, a.scheduling_policy),
             attention_backend=a.attention_backend,
             matmul_backend=a.matmul_backend,
             quantization=a.quantization,

@@ -154,15 +154,30 @@ class DataParallelEngine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        return self.replicas[0].make_request(request_id, prompt, sampling_params, arrival_time, cache_salt)
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     priority: int = 0) -> Request:
+        return self.replicas[0].make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
 
     add_request = LLMEngine.add_request     # make_request, then add_prepared_request (routed)
 
     def add_prepared_request(self, req: Request) -> None:
-        i = self._route(req.request_id, req.prompt_token_ids, req.cache_salt)
-        self.replicas[i].add_prepared_request(req)
-        self._replica_of[req.request_id] = i
+        self.add_prepared_requests([req])
+
+    def add_prepared_requests(self, reqs: Sequence[Request]) -> None:
+        """Route each request, then queue each replica's share together; all of them or none."""
+        shares: dict[int, list[Request]] = {}
+        for req in reqs:
+            shares.setdefault(self._route(req.request_id, req.prompt_token_ids, req.cache_salt), []).append(req)
+        added: list[Request] = []
+        try:
+            for i, share in shares.items():
+                self.replicas[i].add_prepared_requests(share)
+                self._replica_of.update((req.request_id, i) for req in share)
+                added += share
+        except ValueError:
+            for req in added:
+                self.abort_request(req.request_id)
+            raise
 
     def add_beam_search_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
                                 arrival_time: float | None = None, cache_salt: str | None = None) -> Request:

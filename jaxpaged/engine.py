@@ -9,7 +9,11 @@ reads them on the device; a request that stops on a token of step k has computed
 too many in step k+1, which is dropped. Steps whose inputs need the previous step's tokens on
 the host (penalties, beam search) run synchronously.
 Every input is validated in ``add_request`` before anything is queued, so a bad request
-leaves the engine and the other requests untouched.
+leaves the engine and the other requests untouched. A failure in one request's own work during a
+step (its sampling row or lists, its detokenizing, stop checks or output) ends that request with
+finish reason "error" (``_fail``, vLLM's ``FINISHED_ERROR``) and the step goes on for the others;
+a failure of the step itself (scheduling, the device) propagates, as the scheduler's and the KV
+pool's state can no longer be trusted.
 
 Sharing: the ``best_of`` samples of a request are one sequence until its prompt is computed
 (once); the scheduler then forks the others, which share its blocks and draw their first
@@ -41,7 +45,7 @@ from jaxpaged.kv_cache_manager import KVCacheManager, SharingStats
 from jaxpaged.kv_cache_size import auto_kv_cache_memory, budget_rule
 from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import ParamError, RequestOutputKind, SamplingParams, excerpt, is_unicode
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.weights import load_checkpoint
@@ -218,6 +222,8 @@ class LLMEngine:
         self._token_text: dict[int, str] = {}
         self.async_scheduling = config.async_scheduling
         self._in_flight: _InFlight | None = None
+        self._failed: list[RequestOutput] = []
+        """The last outputs of requests that failed (``_fail``), for ``step`` to return."""
         self._num_synchronous = 0
         """Live requests whose steps need the previous step's tokens on the host (penalties)."""
         self.load_time = time.perf_counter() - t0
@@ -249,12 +255,27 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int],
                      sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        """Validate one request and build its state without queueing it (raises ``ValueError``)."""
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     priority: int = 0) -> Request:
+        """Validate one request and build its state without queueing it (raises ``ValueError``).
+        ``priority``: lower runs sooner, under the ``priority`` scheduling policy (vLLM's); else 0."""
         sp = sampling_params or self.generation_defaults.sampling_params()
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
+        self._check_priority(priority)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt and is_unicode(cache_salt)):
+            raise ParamError("cache_salt", f"cache_salt must be a non-empty string of valid Unicode, "
+                                           f"got {excerpt(cache_salt)}.")
+        # Before building ``best_of`` samples: a huge ``n`` is refused at once, not after allocating them.
+        if sp.best_of > self.scheduler.config.max_num_seqs:
+            raise ParamError("best_of" if sp.best_of > sp.n else "n",
+                             f"n and best_of ({sp.best_of}) must be at most max_num_seqs "
+                             f"({self.scheduler.config.max_num_seqs}): a request's samples run at once.")
         if isinstance(prompt, str):
+            if not is_unicode(prompt):
+                raise ParamError("prompt", "prompt is not valid Unicode (it holds a lone surrogate); send UTF-8 text.")
+            at_least = self.tokenizer.min_num_tokens(prompt)
+            if at_least >= self.max_model_len:            # refused without spending seconds tokenizing it
+                raise ValueError(f"the prompt has at least {at_least} tokens, but max_model_len is {self.max_model_len}; "
+                                 f"shorten the prompt to at most {self.max_model_len - 1} tokens.")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
@@ -287,12 +308,21 @@ class LLMEngine:
                            stream_stop_ids=None if final else stop_ids, multi_step=not sp.needs_step_lists,
                            cache_salt=cache_salt, prompt=text,
                            arrival_time=arrival,
-                           sample_index=i,
+                           sample_index=i, priority=priority,
                            output_top_logprobs=[] if sp.logprobs is not None else None,
                            prompt_logprobs=[None] if i == 0 and sp.prompt_logprobs is not None else None)
                    for i in range(sp.best_of)]
         samples[0].forks = samples[1:]
         return samples[0]
+
+    def _check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs the ``priority`` scheduling policy (under ``fcfs``
+        it would silently mean nothing)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ParamError("priority", f"priority must be an integer, got {excerpt(priority)}.")
+        if priority and self.scheduler.config.scheduling_policy != "priority":
+            raise ParamError("priority", f"priority must be 0 unless the scheduling policy is priority "
+                                         f"(--scheduling-policy priority); got {priority}.")
 
     def _with_model_eos(self, sp: SamplingParams, eos: int | None) -> SamplingParams:
         """``sp`` with the generation config's other EOS ids added to its stop token ids, unless it ignores
@@ -305,31 +335,43 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> Request:
-        req = self.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt)
+                    cache_salt: str | None = None, priority: int = 0) -> Request:
+        req = self.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
         self.add_prepared_request(req)
         return req
 
     def add_prepared_request(self, req: Request) -> None:
         """Queue a request made by ``make_request`` with all its samples, or none of them."""
-        samples = [req, *req.forks]
-        if any(r.request_id in self._groups or r.request_id in self._beam_searches for r in samples):
-            raise ValueError(f"request id {req.request_id!r} is already in use; give each request a unique id.")
+        self.add_prepared_requests([req])
+
+    def add_prepared_requests(self, reqs: Sequence[Request]) -> None:
+        """Queue requests made by ``make_request``, the prompts of one API request, with all their
+        samples, or none of them; they take turns with other calls' requests (``Scheduler.add_requests``)."""
+        members = [(req, r) for req in reqs for r in (req, *req.forks)]
+        taken = [req.request_id for req, r in members
+                 if r.request_id in self._groups or r.request_id in self._beam_searches]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use; give each request a unique id.")
+        # Built first: once the scheduler holds the requests, nothing left here can fail.
+        detokenizers = [self._detokenizer(req.sampling_params, r) for req, r in members]
         # One sequence until the prompt is computed; the scheduler then forks the other samples.
-        req.pending_forks = tuple(req.forks)
-        req.reserved_seqs = len(req.forks)
+        for req in reqs:
+            req.pending_forks = tuple(req.forks)
+            req.reserved_seqs = len(req.forks)
         try:
-            self.scheduler.add_request(req)
+            self.scheduler.add_requests(reqs)
         except ValueError:
-            req.pending_forks, req.reserved_seqs = (), 0
+            for req in reqs:
+                req.pending_forks, req.reserved_seqs = (), 0
             raise
-        sp = req.sampling_params
-        self._num_synchronous += sp.needs_penalties
-        detokenizer = IncrementalDetokenizer if sp.spaces_between_special_tokens else _UnspacedSpecialsDetokenizer
-        for r in samples:
-            self._detokenizers[r.request_id] = detokenizer(self.tokenizer, r.prompt_token_ids,
-                                                           sp.skip_special_tokens)
+        self._num_synchronous += sum(req.sampling_params.needs_penalties for req in reqs)
+        for (req, r), d in zip(members, detokenizers):
+            self._detokenizers[r.request_id] = d
             self._groups[r.request_id] = req
+
+    def _detokenizer(self, sp: SamplingParams, r: Request) -> IncrementalDetokenizer:
+        kind = IncrementalDetokenizer if sp.spaces_between_special_tokens else _UnspacedSpecialsDetokenizer
+        return kind(self.tokenizer, r.prompt_token_ids, sp.skip_special_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its samples, or all its beams)."""
@@ -414,7 +456,7 @@ class LLMEngine:
                 child = Request(request_id=f"beam{search.num_forks}_{search.root.request_id}",
                                 prompt_token_ids=b.prompt_token_ids, sampling_params=b.sampling_params,
                                 max_tokens=b.max_tokens, seed=b.seed, eos_token_id=b.eos_token_id,
-                                cache_salt=b.cache_salt, arrival_time=b.arrival_time,
+                                cache_salt=b.cache_salt, arrival_time=b.arrival_time, priority=b.priority,
                                 output_token_ids=b.output_token_ids + [c.token],
                                 output_logprobs=b.output_logprobs + [c.logprob], output_top_logprobs=[])
                 self.scheduler.fork_request(b, child)
@@ -454,15 +496,46 @@ class LLMEngine:
             launched = self._launch()
             outputs = self._take_in(self._in_flight)
             self._in_flight = launched
-            return outputs
-        outputs = self._take_in(self._in_flight)
-        self._in_flight = None
-        return outputs + self._take_in(self._launch())
+        else:
+            outputs = self._take_in(self._in_flight)
+            self._in_flight = None
+            outputs += self._take_in(self._launch())
+        if self._failed:
+            outputs += self._failed
+            self._failed = []
+        return outputs
 
     def _launch(self) -> _InFlight | None:
         out = self.scheduler.schedule()
         launched = self.runner.launch(out)          # block transfers even when nothing runs (swap-outs of idle beams)
+        for request_id, error in self.runner.slots.take_failed().items():
+            self._fail(request_id, error)
         return None if launched is None else _InFlight(out, launched)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End the request of sample (or beam) ``request_id``, whose own processing raised ``error``, with
+        finish reason "error" (vLLM's ``FINISHED_ERROR``): its blocks are freed and the others go on, as
+        nothing they share was changed. Its last output goes out with the step's (``_failed``)."""
+        search = self._beam_of.get(request_id)
+        parent = search.root if search is not None else self._groups.get(request_id)
+        if parent is None:
+            return                                  # already ended
+        logger.error("request %s failed (%s); it ends with an error, the others go on", parent.request_id,
+                     type(error).__name__, exc_info=error)
+        if search is not None:
+            self.abort_request(parent.request_id)
+            n = search.params.beam_width
+        else:
+            for r in [parent, *parent.forks]:
+                if not r.is_finished:
+                    self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
+                    r.status = RequestStatus.FINISHED_ERROR     # also a sample not forked yet
+            parent.pending_forks = ()
+            self._forget(parent)
+            n = parent.sampling_params.n
+        outputs = [CompletionOutput(i, "", [], None, None, "error") for i in range(n)]
+        self._failed.append(RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
+                                          {"arrival_time": parent.arrival_time, "finished_time": time.time()}))
 
     def _take_in(self, step: _InFlight | None) -> list[RequestOutput]:
         """Wait for a launched step and process its samples: append tokens, check stops, build outputs."""
@@ -484,13 +557,25 @@ class LLMEngine:
             self._append_samples(rows, res.sampled, now, touched, searches)
         outputs = []
         for parent in touched.values():
-            output = self._make_output(parent)
+            if parent.request_id not in self._groups:
+                continue                            # one of its samples failed (``_fail``) after it reported
+            try:
+                output = self._make_output(parent)
+            except Exception as e:
+                self._fail(parent.request_id, e)
+                continue
             if output is not None:
                 outputs.append(output)
             if output is not None and output.finished:
                 self._forget(parent)
         for search in searches.values():
-            output = self._beam_step(search)
+            if search.root.request_id not in self._beam_searches:
+                continue                            # it failed (``_fail``) after a beam reported
+            try:
+                output = self._beam_step(search)
+            except Exception as e:
+                self._fail(search.root.request_id, e)
+                continue
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -517,7 +602,10 @@ class LLMEngine:
                     ids += new
                     req.num_output_placeholders -= n
                     if stream is not None:
-                        self._passed(req, new, touched)
+                        try:
+                            self._passed(req, new, touched)
+                        except Exception as e:
+                            self._fail(req.request_id, e)
                     continue
             rest.extend(range(j * k, j * k + n))
         if rest:
@@ -537,43 +625,46 @@ class LLMEngine:
             # a property call per row costs ~0.2 us, 50 us a step at 256 rows (measured).
             if req.status is not running and req.is_finished:
                 continue
-            if beam_of:
-                search = beam_of.get(req.request_id)
-                if search is not None:
-                    k2 = 2 * search.params.beam_width
-                    search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(),
-                                                      sampled.top_logprobs[i, :k2].tolist())
-                    req.waiting_for_group = True
-                    searches[search.root.request_id] = search
+            try:                            # one request's failure is its own (``_fail``), not the step's
+                if beam_of:
+                    search = beam_of.get(req.request_id)
+                    if search is not None:
+                        k2 = 2 * search.params.beam_width
+                        search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(),
+                                                          sampled.top_logprobs[i, :k2].tolist())
+                        req.waiting_for_group = True
+                        searches[search.root.request_id] = search
+                        continue
+                ids = req.output_token_ids
+                if not ids:
+                    req.first_token_time = now
+                token, sp = tokens[i], req.sampling_params
+                ids.append(token)
+                if logprobs and sp.needs_logprobs:
+                    req.output_logprobs.append(logprobs[i])
+                if req.output_top_logprobs is not None:
+                    req.output_top_logprobs.append(self._token_logprobs(
+                        token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
+                        sampled.top_logprobs[i, :sp.logprobs]))
+                # The common decode step: with no stop strings only EOS, a stop id or the length limit can
+                # end a sample, and none does here.
+                stops = req.final_stop_ids
+                if stops is not None and len(ids) < req.max_tokens and token not in stops:
+                    continue                    # detokenized when it ends (``_check_stop``)
+                stops = req.stream_stop_ids
+                if stops is not None and len(ids) < req.max_tokens and token not in stops:
+                    self._passed(req, (token,), touched)
                     continue
-            ids = req.output_token_ids
-            if not ids:
-                req.first_token_time = now
-            token, sp = tokens[i], req.sampling_params
-            ids.append(token)
-            if logprobs and sp.needs_logprobs:
-                req.output_logprobs.append(logprobs[i])
-            if req.output_top_logprobs is not None:
-                req.output_top_logprobs.append(self._token_logprobs(
-                    token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
-                    sampled.top_logprobs[i, :sp.logprobs]))
-            # The common decode step: with no stop strings only EOS, a stop id or the length limit can
-            # end a sample, and none does here.
-            stops = req.final_stop_ids
-            if stops is not None and len(ids) < req.max_tokens and token not in stops:
-                continue                    # detokenized when it ends (``_check_stop``)
-            stops = req.stream_stop_ids
-            if stops is not None and len(ids) < req.max_tokens and token not in stops:
-                self._passed(req, (token,), touched)
-                continue
-            status = self._check_stop(req)
-            if status is not None:
-                req.finished_time = now
-                self.scheduler.finish_request(req, status)
-            elif sp.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
-            parent = self._groups[req.request_id]
-            touched[parent.request_id] = parent
+                status = self._check_stop(req)
+                if status is not None:
+                    req.finished_time = now
+                    self.scheduler.finish_request(req, status)
+                elif sp.output_kind is RequestOutputKind.FINAL_ONLY:
+                    continue
+                parent = self._groups[req.request_id]
+                touched[parent.request_id] = parent
+            except Exception as e:
+                self._fail(req.request_id, e)
 
     def _passed(self, req: Request, new: Sequence[int], touched: dict[str, Request]) -> None:
         """Take in ``new``, tokens just appended to a streamed sample with no stop strings
@@ -590,8 +681,11 @@ class LLMEngine:
         for j, row in enumerate(res.prompt_rows.tolist()):
             req = reqs[row]
             k = req.sampling_params.prompt_logprobs
-            req.prompt_logprobs.append(self._token_logprobs(
-                int(p.tokens[j]), float(p.logprobs[j]), int(p.ranks[j]), p.top_ids[j, :k], p.top_logprobs[j, :k]))
+            try:
+                req.prompt_logprobs.append(self._token_logprobs(
+                    int(p.tokens[j]), float(p.logprobs[j]), int(p.ranks[j]), p.top_ids[j, :k], p.top_logprobs[j, :k]))
+            except Exception as e:
+                self._fail(req.request_id, e)
 
     def _token_logprobs(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> TokenLogprobs:
         """vLLM's per-position dict: the chosen (or prompt) token first, then the top-N by rank."""

@@ -19,6 +19,8 @@ PromptInput = str | Sequence[int] | dict
 """A prompt: text, token ids, or vLLM's prompt dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with an
 optional ``"cache_salt"`` (only requests with the same salt share prefix-cache blocks)."""
 Conversation = list[dict[str, str]]
+_FAILED_SCORE = float("-inf")
+"""The score of a beam whose search failed in the engine (finish reason "error"): below any real beam's."""
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
@@ -121,7 +123,8 @@ class LLM:
             n = len(out.prompt_token_ids)
             results.append(BeamSearchOutput([BeamSearchSequence(
                 tokens=out.prompt_token_ids + c.token_ids, logprobs=c.logprobs, cum_logprob=c.cumulative_logprob,
-                score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty), text=c.text,
+                score=_FAILED_SCORE if c.finish_reason == "error" else
+                beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty), text=c.text,
                 finish_reason=c.finish_reason, num_prompt_tokens=n) for c in out.outputs]))
         return results
 

@@ -457,6 +457,26 @@ def _penalty_counts(r: Request) -> dict[int, int]:
     return counts
 
 
+def _host_lists(r: Request) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict[int, float]]:
+    """A sequence's per-step sampler lists: its penalty (tokens, counts), if it has penalties, and its
+    logit bias with the ``min_tokens`` mask."""
+    sp = r.sampling_params
+    penalties = None
+    if sp.needs_penalties:
+        counts = _penalty_counts(r)
+        penalties = (np.fromiter(counts.keys(), np.int32, len(counts)),
+                     np.fromiter(counts.values(), np.float32, len(counts)))
+    bias = dict(sp.logit_bias)
+    # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
+    if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
+        # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
+        masked = set(sp.stop_token_ids)
+        if r.eos_token_id is not None and not sp.ignore_eos:
+            masked.add(r.eos_token_id)
+        bias.update(dict.fromkeys(masked, -np.inf))
+    return penalties, bias
+
+
 def _logprobs_width(n: int) -> int:
     """Top logprobs computed for the batch: none beyond the chosen token's, or the most allowed
     (two variants only: a top-20 costs little more than a top-1)."""
@@ -494,7 +514,7 @@ class ModelRunner:
         self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
                                    self.kv_pages.dtype)
         # A step runs at most ``max_rows`` sequences: the device block tables have a row for each.
-        self.slots = SequenceSlots(self.max_blocks_per_seq, num_device_rows=self.max_rows)
+        self.slots = SequenceSlots(self.max_blocks_per_seq, num_device_rows=self.max_rows, vocab_size=s.vocab_size)
         table_shape = (self.max_rows, self.max_blocks_per_seq)
         self._tables = (jnp.zeros(table_shape, jnp.int32) if mesh is None else
                         parallel.zeros(table_shape, jnp.int32, parallel.replicated(mesh)))
@@ -777,27 +797,24 @@ class ModelRunner:
     def _sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
                           prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
         """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
-        (built only for the sequences that have them), and the flags of the batch."""
+        (built only for the sequences that have them), and the flags of the batch. A sequence whose
+        lists fail to build goes to ``SequenceSlots.failed`` (one request's failure, not the step's)."""
         st = self.slots
         f32 = np.float32
         pen_rows, pen_tokens, pen_counts = [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
         for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
             r = seqs[i]
-            sp = r.sampling_params
-            if sp.needs_penalties:
-                counts = _penalty_counts(r)
-                pen_rows.append(np.full(len(counts), i, np.int32))
-                pen_tokens.append(np.fromiter(counts.keys(), np.int32, len(counts)))
-                pen_counts.append(np.fromiter(counts.values(), np.float32, len(counts)))
-            bias = dict(sp.logit_bias)
-            # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
-            if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
-                # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
-                masked = set(sp.stop_token_ids)
-                if r.eos_token_id is not None and not sp.ignore_eos:
-                    masked.add(r.eos_token_id)
-                bias.update(dict.fromkeys(masked, -np.inf))
+            try:
+                penalties, bias = _host_lists(r)
+            except Exception as e:      # this request's failure: its row runs without its lists
+                st.failed[r.request_id] = e
+                continue
+            if penalties is not None:
+                tokens, counts = penalties
+                pen_rows.append(np.full(len(tokens), i, np.int32))
+                pen_tokens.append(tokens)
+                pen_counts.append(counts)
             if bias:
                 bias_rows += [i] * len(bias)
                 bias_tokens += bias.keys()

@@ -40,6 +40,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+    """Its own processing failed (vLLM's): it ended with finish reason "error", the others went on."""
 
     # Members are singletons: hashing by identity (in C) makes the per-token status lookups cheap.
     __hash__ = object.__hash__
@@ -54,7 +56,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 @dataclass(eq=False, slots=True)
@@ -147,6 +149,12 @@ class Request:
     strings: every other token is detokenized and reported without its stop rules. None in both
     (stop strings): every token is checked in full. Two fields, so that the common ``FINAL_ONLY``
     token costs no test of the output kind."""
+    priority: int = 0
+    """Lower runs sooner under the ``priority`` scheduling policy (vLLM's); 0 under ``fcfs``."""
+    queue_tag: int = 0
+    """The scheduler's fair-queueing start tag (``Scheduler.add_requests``)."""
+    queue_group: int = 0
+    """Which API request it belongs to, for the scheduler (``Scheduler.add_requests``)."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

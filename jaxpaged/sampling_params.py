@@ -2,8 +2,12 @@
 
 Names, defaults and ranges follow vLLM's ``SamplingParams`` so that code written
 for vLLM works unchanged. Every invalid value raises ``ValueError`` naming the
-parameter and its allowed range. Nothing here knows about JAX; checks that need
-the model (token ids within the vocabulary) happen in ``LLMEngine.make_request``.
+parameter (``ParamError.param``) and its allowed range. The ranges are also what the device
+can hold: counts and token ids are int32, floats float32 (finite, and a value that must be positive
+at least the smallest normal float32, as the device may read a smaller one as 0). Nothing here knows
+about JAX; checks that need the model (token ids within the vocabulary) happen in
+``LLMEngine.make_request``, and a ``top_k`` at least the vocabulary size means all tokens (vLLM's
+rule), applied where the device row is written.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import enum
 import logging
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -21,6 +26,35 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 0.01
 """Positive temperatures below this are raised to it, as vLLM does: ``1/T`` would overflow the logits."""
 MAX_LOGIT_BIAS = 100.0
+INT32_MAX = 2**31 - 1
+"""Largest count or token id: the device holds them as int32."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""Smallest normal float32: XLA may read smaller (subnormal) values as 0 (on CPU, ``1e-45 > 0`` is false)."""
+MAX_EXCERPT = 100
+"""Characters of an invalid value an error message quotes at most."""
+
+
+class ParamError(ValueError):
+    """An invalid parameter; ``param`` names it (the server reports it as the error's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def excerpt(value: object) -> str:
+    """``repr(value)``, cut to ``MAX_EXCERPT`` characters: an error message never echoes a whole input."""
+    text = repr(value)
+    return text if len(text) <= MAX_EXCERPT else f"{text[:MAX_EXCERPT]}... ({len(text)} characters)"
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate): tokenizers and JSON bodies need it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class RequestOutputKind(enum.Enum):
@@ -39,8 +73,15 @@ def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_real(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+def _float32(v: object) -> float | None:
+    """``v`` as the device's float32 holds it; None if ``v`` is not a real number or not a finite float32."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        f = struct.unpack("f", struct.pack("f", float(v)))[0]
+    except OverflowError:           # beyond float64, or rounding past float32's largest
+        return None
+    return f if math.isfinite(f) else None
 
 
 @dataclass
@@ -100,63 +141,67 @@ class SamplingParams:
         if bias is None:
             return {}
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias in [-100, 100], got {bias!r}.")
+            raise ParamError("logit_bias", f"logit_bias must be a dict of token id -> bias in [-100, 100], "
+                                           f"got {excerpt(bias)}.")
         out = {}
         for k, v in bias.items():
             if isinstance(k, str) and k.strip().isdigit():
                 k = int(k)
-            if not _is_int(k) or k < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}.")
-            if not _is_real(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k}.")
+            if not _is_int(k) or not 0 <= k <= INT32_MAX:
+                raise ParamError("logit_bias", f"logit_bias keys must be non-negative token ids (int32), "
+                                               f"got {excerpt(k)}.")
+            f = _float32(v)
+            if f is None or not -MAX_LOGIT_BIAS <= f <= MAX_LOGIT_BIAS:
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {excerpt(v)} "
+                                               f"for token {k}.")
             out[int(k)] = float(v)
         return out
 
     def _validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(name, f"{name} must be {rule}, got {excerpt(getattr(self, name))}.")
 
-        def int_at_least(name: str, lo: int) -> None:
+        def count(name: str, lo: int) -> None:
             v = getattr(self, name)
-            need(_is_int(v) and v >= lo, f"{name} must be at least {lo} (an integer), got {v!r}.")
+            need(_is_int(v) and lo <= v <= INT32_MAX, name, f"at least {lo} and at most {INT32_MAX} (an int32)")
 
-        def real_in(name: str, ok, range_text: str) -> None:
-            v = getattr(self, name)
-            need(_is_real(v) and ok(v), f"{name} must be in {range_text}, got {v!r}.")
+        def real(name: str, ok, rule: str, positive: bool = False) -> None:
+            f = _float32(getattr(self, name))
+            tiny = f" of at least {FLOAT32_TINY:.2g} (the device may read a smaller one as 0)" if positive else ""
+            need(f is not None and ok(f) and (not positive or f >= FLOAT32_TINY), name,
+                 f"{rule} and a finite float32{tiny}")
 
-        int_at_least("n", 1)
-        need(_is_int(self.best_of) and self.best_of >= self.n,
-             f"best_of must be an integer >= n (n={self.n!r}), got {self.best_of!r}.")
-        real_in("presence_penalty", lambda v: -2.0 <= v <= 2.0, "[-2, 2]")
-        real_in("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "[-2, 2]")
-        real_in("repetition_penalty", lambda v: v > 0.0, "(0, inf)")
-        need(_is_real(self.temperature) and self.temperature >= 0.0,
-             f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}.")
-        real_in("top_p", lambda v: 0.0 < v <= 1.0, "(0, 1]")
-        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-             f"top_k must be -1 (disable) or at least 1, got {self.top_k!r}.")
-        real_in("min_p", lambda v: 0.0 <= v <= 1.0, "[0, 1]")
-        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
-             f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}.")
-        need(all(isinstance(s, str) and s for s in self.stop),
-             f"stop must be a list of non-empty strings, got {self.stop!r}.")
-        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+        count("n", 1)
+        need(_is_int(self.best_of) and self.n <= self.best_of <= INT32_MAX, "best_of",
+             f"an integer >= n (n={self.n!r}) and an int32")
+        real("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        real("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        real("repetition_penalty", lambda v: v > 0.0, "in (0, inf)", positive=True)
+        real("temperature", lambda v: v >= 0.0, ">= 0 (0 = greedy)")
+        real("top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]", positive=True)
+        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+             "-1 (disable) or at least 1 (at least the vocabulary size: all tokens)")
+        real("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+             "None or an integer in [-2**63, 2**63)")
+        need(all(isinstance(s, str) and s and is_unicode(s) for s in self.stop), "stop",
+             "a list of non-empty strings of valid Unicode")
+        need(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+             "non-negative integers (int32)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
-            need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}.")
+            need(isinstance(getattr(self, name), bool), name, "a bool")
         if self.max_tokens is not None:
-            int_at_least("max_tokens", 1)
-        int_at_least("min_tokens", 0)
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}.")
-        need(isinstance(self.output_kind, RequestOutputKind),
-             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+            count("max_tokens", 1)
+        count("min_tokens", 0)
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"in [0, max_tokens={self.max_tokens}]")
+        need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
-                 f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}.")
+            need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
+                 f"None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

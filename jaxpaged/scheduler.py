@@ -23,6 +23,19 @@ request that shares a partly filled block copies it on its first write (``blocks
 A running request can also be *idle*: all its tokens computed while the engine waits for the
 rest of its beam group; idle requests are preempted first when nothing else can run.
 
+Fair share: the prompts of one API request are queued together (``add_requests``) and take turns
+with other requests' (start-time fair queueing): each gets a start tag, the virtual time (the largest
+tag admitted so far) plus the sequences of the group's prompts before it, and waiting requests run in
+tag order, resumed (preempted) ones first. A request of 400 prompts then runs one prompt (of ``n``
+sequences) per turn, and the request sent after it runs on the next free slot instead of after all
+400. Single-prompt requests all get the current virtual time: first come, first served. And when
+every running slot is taken and the next waiting request is a new one whose API request has nothing
+running, the newest running requests of the API request running the most (keeping it one) are
+preempted to make room, queued right behind it: it starts in the next step, not once one of them
+finishes (round-robin alone leaves it waiting for a slot). With the ``priority`` scheduling policy (vLLM's) the priority
+comes first (lower sooner; such preemption only takes requests of a priority no higher), and
+``running`` is kept in priority order, so the lowest-priority request is the one preempted for KV blocks.
+
 Multi-step scheduling (``num_scheduler_steps`` = k > 1, vLLM's): when every running request is a
 plain decode that may run several steps (``Request.multi_step``) and no waiting request could be
 admitted, one schedule hands out a group of up to k decode steps per request, run as one program;
@@ -31,7 +44,8 @@ its KV blocks are allocated up front, so the group needs no scheduling between i
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxpaged.config import SchedulerConfig
@@ -83,8 +97,9 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every live request's KV blocks.
 
-    ``running`` is in admission order (the last one is the preemption victim); ``waiting``
-    is FCFS with preempted requests pushed to its front. Others read them, never mutate.
+    ``running`` is in admission order (under the ``priority`` policy, in priority order, then
+    admission order): the last one is the preemption victim. ``waiting`` is in the order requests
+    run (``_queue_key``). Others read them, never mutate.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -96,6 +111,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}
         self.swap = config.preemption_mode == "swap"
+        self.by_priority = config.scheduling_policy == "priority"
+        self._virtual_time = 0
+        """The largest queue tag admitted so far (``add_requests``)."""
+        self._num_groups = 0
+        """Multi-sequence API requests queued so far (``queue_group`` numbers them)."""
+        self._num_grouped = 0
+        """Live requests of such API requests: only they can run several for one API request."""
         self.num_preemptions = 0
         self.num_swapped_out = 0
         """Preemptions that swapped (the rest recomputed)."""
@@ -117,10 +139,48 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise ``ValueError`` (leaving no trace) if it can never run."""
-        self._check_admissible(request)
-        request.status = RequestStatus.WAITING
+        self.add_requests([request])
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue the prompts of one API request, taking turns with other requests' (see the module's
+        docstring); or none of them, raising ``ValueError`` (leaving no trace), if one can never run."""
+        ids = [i for r in requests for i in (r.request_id, *(c.request_id for c in r.pending_forks))]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids {sorted({i for i in ids if ids.count(i) > 1})[:5]} are given twice; "
+                             f"give each request a unique id.")
+        for request in requests:
+            self._check_admissible(request)
+        group = 0                                   # one sequence: a group of its own
+        if len(requests) > 1 or any(r.pending_forks for r in requests):
+            group = self._num_groups = self._num_groups + 1
+        tag = self._virtual_time
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            request.queue_tag = tag
+            tag += 1 + request.reserved_seqs        # a turn lasts as many tags as it runs sequences
+            for r in (request, *request.pending_forks):
+                r.queue_group = group
+            self._track(request)
+            self._enqueue(request)
+
+    def _track(self, request: Request) -> None:
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self._num_grouped += request.queue_group > 0
+
+    @staticmethod
+    def _queue_key(request: Request) -> tuple[int, bool, int]:
+        """Waiting requests run in this key's order: priority (0 unless the ``priority`` policy),
+        resumed (preempted) requests before new ones, then the fair-queueing tag."""
+        return request.priority, request.status is not RequestStatus.PREEMPTED, request.queue_tag
+
+    def _enqueue(self, request: Request) -> None:
+        """Insert ``request`` into ``waiting`` behind every request whose key is not larger (a new
+        one usually goes last: the scan from the back is short)."""
+        key, waiting = self._queue_key(request), self.waiting
+        i = len(waiting)
+        while i and self._queue_key(waiting[i - 1]) > key:
+            i -= 1
+        waiting.insert(i, request)
 
     def fork_request(self, parent: Request, child: Request) -> None:
         """Track ``child``, a copy of ``parent``'s sequence plus tokens of its own (the engine's
@@ -128,16 +188,27 @@ class Scheduler:
         runs; otherwise it waits to compute its sequence from scratch, ahead of new arrivals."""
         if child.request_id in self._requests:
             raise ValueError(f"request id {child.request_id!r} is already in use.")
-        self._requests[child.request_id] = child
+        child.queue_group = parent.queue_group
+        self._track(child)
         room = len(self.running) + self._num_reserved() < self.config.max_num_seqs
         if parent.status is RequestStatus.RUNNING and self._requests.get(parent.request_id) is parent and room:
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
+            self._sort_running()
         else:
             child.num_computed_tokens = 0
             child.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(child)
+            if self.by_priority:
+                self._enqueue(child)
+            else:
+                self.waiting.appendleft(child)
+
+    def _sort_running(self) -> None:
+        """Under the ``priority`` policy, ``running`` in priority order (a stable sort keeps admission order
+        within a priority), so the lowest-priority request, last, is the preemption victim."""
+        if self.by_priority:
+            self.running.sort(key=_priority)
 
     def _num_reserved(self) -> int:
         return sum(r.reserved_seqs for r in self.running)
@@ -194,6 +265,7 @@ class Scheduler:
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         del self._requests[request.request_id]
+        self._num_grouped -= request.queue_group > 0
         self._finished_ids.append(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -205,11 +277,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks."""
         k = self.config.num_scheduler_steps
-        if k > 1 and (not self.waiting or len(self.running) + self._num_reserved() >= self.config.max_num_seqs):
+        victims = self._victims_for_newcomer()
+        if k > 1 and not victims and (not self.waiting
+                                      or len(self.running) + self._num_reserved() >= self.config.max_num_seqs):
             out = self._schedule_steps(k)
             if out is not None:
                 return self._close(out)
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
+        for victim in victims:              # queued right behind the new request, which starts next step
+            self.running.remove(victim)
+            self._preempt(victim, out, at=1)
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         forked: list[Request] = []
@@ -268,9 +345,9 @@ class Scheduler:
         kv.grow_tables(opening)
         self._fill_fast_rows(out)
 
-        # Then waiting requests, FCFS, unless this step had to preempt. A preempted beam waiting
+        # Then waiting requests, in queue order, unless this step had to preempt. A preempted beam waiting
         # for the rest of its group has nothing to compute yet and is passed over.
-        j = 0
+        j, admitted = 0, False
         had_to_preempt = bool(out.preempted)
         reserved = self._num_reserved() if self.waiting and not had_to_preempt else 0
         while not had_to_preempt and j < len(self.waiting) and budget > 0:
@@ -308,12 +385,16 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             del self.waiting[j]
+            self._virtual_time = max(self._virtual_time, request.queue_tag)
+            admitted = True
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_output(out, request, num_new, forked, request.num_tokens_with_placeholders)
             reserved += request.reserved_seqs          # what is left after forking this step
             budget -= num_new
         self.running.extend(forked)
+        if admitted or forked:
+            self._sort_running()
         return self._close(out)
 
     @staticmethod
@@ -380,6 +461,30 @@ class Scheduler:
         return SchedulerOutput(requests=rows, num_new_tokens=steps, start_positions=starts, preempted=[],
                                samples=[True] * len(rows), num_host_tokens=host_tokens, num_steps=k)
 
+    def _victims_for_newcomer(self) -> list[Request]:
+        """The running requests to preempt so that the next waiting request starts, when it is new,
+        every running slot is taken and its API request has nothing running (else none; a scan of
+        ``running`` only then): the newest of the API requests running the most, keeping each one
+        running and taking none of a higher priority; none if that cannot free enough slots."""
+        if (not self._num_grouped or not self.waiting
+                or len(self.running) + self._num_reserved() < self.config.max_num_seqs):
+            return []
+        head = self.waiting[0]
+        if head.status is not RequestStatus.WAITING or (
+                head.queue_group and any(r.queue_group == head.queue_group for r in self.running)):
+            return []
+        need = 1 + head.reserved_seqs - (self.config.max_num_seqs - len(self.running) - self._num_reserved())
+        candidates = [r for r in self.running if r.queue_group and r.priority >= head.priority and not r.reserved_seqs]
+        counts = Counter(r.queue_group for r in candidates)
+        if need > sum(n - 1 for n in counts.values()):
+            return []
+        victims = []
+        for _ in range(need):
+            group = max(counts, key=counts.__getitem__)
+            counts[group] -= 1
+            victims.append(next(r for r in reversed(candidates) if r.queue_group == group and r not in victims))
+        return victims
+
     def _preempt_for(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request``'s blocks can be allocated (and
         allocate them); False if ``request`` itself had to go. Victims come from the end of
@@ -408,7 +513,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
 
-    def _preempt(self, request: Request, out: SchedulerOutput, at: int = 0) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, at: int | None = None) -> None:
+        """Free (or swap out) ``request``'s blocks and queue it at ``at``, by default first (under the
+        ``priority`` policy: first of its priority)."""
         # A request whose last token is in flight will finish when it arrives: its blocks are freed, never swapped.
         pairs = self.kv_cache_manager.swap_out(request) if self.swap and not request.all_outputs_sampled else None
         if pairs is not None:
@@ -420,7 +527,12 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.insert(at, request)
+        if at is not None:
+            self.waiting.insert(at, request)
+        elif self.by_priority:
+            self._enqueue(request)
+        else:
+            self.waiting.appendleft(request)
         out.preempted.append(request)
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
@@ -445,8 +557,12 @@ class Scheduler:
                 self.kv_cache_manager.fork(request, child)
                 child.status = RequestStatus.RUNNING
                 child.num_output_placeholders += 1
-                self._requests[child.request_id] = child
+                self._track(child)
                 out.forks.append((row, child))
                 forked.append(child)
             request.reserved_seqs = max(0, request.reserved_seqs - len(request.pending_forks))
             request.pending_forks = ()
+
+
+def _priority(request: Request) -> int:
+    return request.priority

@@ -38,8 +38,12 @@ class SequenceSlots:
     row's table only up to its sequence length, and a stale entry is still a valid block id.
     """
 
-    def __init__(self, max_blocks_per_seq: int, capacity: int = 64, num_device_rows: int = 0) -> None:
+    def __init__(self, max_blocks_per_seq: int, capacity: int = 64, num_device_rows: int = 0,
+                 vocab_size: int = 2**31 - 1) -> None:
+        """``vocab_size``: a ``top_k`` at least this means all tokens (written as 0, off), as in vLLM;
+        by default the largest int32, the most the row holds."""
         self._max_blocks = max_blocks_per_seq
+        self._vocab_size = vocab_size
         self._slot: dict[str, int] = {}
         self._owner: list[Request | None] = [None] * capacity
         """The request holding each slot: its ``block_ids`` are the table a newly lent row gets."""
@@ -75,6 +79,8 @@ class SequenceSlots:
         self._free_rows = list(range(num_device_rows - 1, -1, -1))
         self._table_writes: list[np.ndarray] = []
         """Queued ``[3, n]`` (device row, column, block id) writes, in order."""
+        self.failed: dict[str, Exception] = {}
+        """Requests whose step inputs could not be built, and why (``take_failed``)."""
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -102,9 +108,21 @@ class SequenceSlots:
         self._slot[r.request_id] = s
         self._owner[s] = r
         self.num_blocks[s] = len(r.block_ids)
+        try:
+            self._write_sampling_row(s, r)
+        except Exception as e:          # this request's failure, not the step's: see ``take_failed``
+            self._write_neutral_row(s)
+            self.failed[r.request_id] = e
+        self.last_sample_row[s] = -1
+        self.device_row[s] = -1
+        return s
+
+    def _write_sampling_row(self, s: int, r: Request) -> None:
+        """Slot ``s``'s sampling parameters, from the request's."""
         sp = r.sampling_params
+        top_k = sp.top_k if 0 < sp.top_k < self._vocab_size else 0
         self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
-            sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p)
+            sp.temperature, top_k, sp.top_p, sp.min_p)
         self.presence[s], self.frequency[s], self.repetition[s] = (
             sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
         self.seed[s] = r.seed & _SEED_MASK
@@ -112,9 +130,20 @@ class SequenceSlots:
         self.chosen_logprobs[s] = sp.needs_logprobs
         self.needs_host_lists[s] = sp.needs_step_lists
         self.prompt_logprobs[s] = r.prompt_logprobs is not None
-        self.last_sample_row[s] = -1
-        self.device_row[s] = -1
-        return s
+
+    def _write_neutral_row(self, s: int) -> None:
+        """Greedy, no penalties, no logprobs: the row of a failed request, which still runs its step."""
+        self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = 0.0, 0, 1.0, 0.0
+        self.presence[s], self.frequency[s], self.repetition[s], self.seed[s] = 0.0, 0.0, 1.0, 0
+        self.logprobs[s] = -1
+        self.chosen_logprobs[s] = self.needs_host_lists[s] = self.prompt_logprobs[s] = False
+
+    def take_failed(self) -> dict[str, Exception]:
+        """The requests whose step inputs failed to build since the last call, and why. Their rows
+        still run (neutral: ``_write_neutral_row``), as the scheduler gave them this step and its prefix
+        cache expects their KV; the engine finishes them with an error and drops what they sample."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The requests' slots. A steady decode batch repeats the previous step's requests: that

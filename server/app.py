@@ -1,22 +1,30 @@
-"""``build_app``: the FastAPI app of the OpenAI-compatible server over one ``AsyncLLMEngine``.
+"""``build_app``: the FastAPI app of the OpenAI-compatible server over one ``AsyncLLMEngine``;
+``GracefulServer``: uvicorn's server with a bounded drain on shutdown.
 
 With an API key, everything under ``/v1`` and the tokenizer endpoints need
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for probes and scrapers.
 Cross-origin requests are answered as ``CORSOptions`` says (vLLM's defaults: any origin, method and
-header), preflights before the key is checked, as browsers send them without it.
+header), preflights before the key is checked, as browsers send them without it. A body over
+``ServerLimits.max_request_body_bytes`` gets 413 before it is read in full (``BodySizeLimit``); while
+the server drains, every request but ``/metrics`` gets 503 (``RefuseWhileDraining``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from types import FrameType
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server.errors import APIError, install_error_handlers
@@ -24,7 +32,14 @@ from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                              ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                              TokenizeResponse)
-from jaxpaged.server.serving import ClientDisconnected, EventStream, OpenAIServing, RequestLog
+from jaxpaged.server.serving import (ClientDisconnected, EventStream, OpenAIServing, RequestLog, ServerLimits,
+                                     shutting_down_error)
+
+logger = logging.getLogger("jaxpaged.server")
+
+EXIT_GRACE = 2.0
+"""Seconds the server waits, once the drain has ended what was in flight, for responses to be sent
+before it closes their connections (a client that stops reading cannot hold it up longer)."""
 
 
 class EventStreamResponse(StreamingResponse):
@@ -43,6 +58,114 @@ class EventStreamResponse(StreamingResponse):
         finally:
             await self._stream.events.aclose()
             self._stream.close()
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 (OpenAI's error body) before it is
+    read in full (the server discards the rest as it arrives): at once when its Content-Length says
+    so, else, for a chunked body, as soon as the bytes read pass it; such a body within the limit
+    then reaches the app whole. The event loop never parses more than ``max_bytes`` of one body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        if length is not None or b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)     # (h11 reads exactly Content-Length bytes, or none)
+        body = await self._read_chunked(receive)
+        if body is None:
+            return                                          # the client left
+        if len(body) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        pending: Message | None = {"type": "http.request", "body": body, "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal pending
+            message, pending = pending, None
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_chunked(self, receive: Receive) -> bytes | None:
+        """The body, or its first bytes past ``max_bytes``; None if the client left meanwhile."""
+        chunks, size = [], 0
+        while size <= self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"The request body is larger than {self.max_bytes} bytes, the server's limit "
+                              f"(--max-request-body-bytes); send less.", code="request_too_large")
+        await error.to_response()(scope, receive, send)
+
+
+class RefuseWhileDraining:
+    """ASGI middleware: while ``serving`` drains (``GracefulServer``), every request but ``/metrics``
+    gets 503 before it is read: ``/health`` too, so load balancers stop sending any."""
+
+    def __init__(self, app: ASGIApp, serving: OpenAIServing) -> None:
+        self.app = app
+        self.serving = serving
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")[len(scope.get("root_path", "")):]
+        if scope["type"] == "http" and self.serving.draining and path != "/metrics":
+            return await shutting_down_error().to_response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server for ``build_app``'s app, with a bounded drain on shutdown (vLLM's
+    ``--shutdown-timeout``): the first SIGTERM or SIGINT stops taking requests (503) and lets those
+    in flight finish for up to ``shutdown_timeout`` seconds; then the engine shuts down, ending the
+    rest with an error (a stream's last event, a non-streamed request's error body), and the server
+    exits, exit code 0. A second signal exits at once. (uvicorn alone would wait for every
+    connection without a limit, then re-raise the signal: exit code 143.)"""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._serving: OpenAIServing = config.app.state.serving
+        self._deadline: float | None = None
+        """When the drain ends what is still in flight; None until a signal came."""
+        self._exit_at: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.shutdown_timeout
+            self._serving.draining = True
+            logger.info("shutting down: refusing new requests, draining %d for up to %g s (a second signal "
+                        "exits at once)", self._serving.num_in_flight, self.shutdown_timeout)
+        else:
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s while draining: exit once nothing is in flight; past the deadline, shut the
+        engine down first, and exit ``EXIT_GRACE`` seconds later at the latest."""
+        now = time.monotonic()
+        if self._deadline is not None and not self.should_exit:
+            if not self._serving.num_in_flight or (self._exit_at is not None and now >= self._exit_at):
+                self.should_exit = True
+            elif now >= self._deadline and self._exit_at is None:
+                self._exit_at = now + EXIT_GRACE
+                logger.warning("%d requests still in flight after %g s: ending them", self._serving.num_in_flight,
+                               self.shutdown_timeout)
+                await asyncio.to_thread(self.engine.shutdown)
+        return await super().on_tick(counter)
 
 
 def _api_key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -70,21 +193,28 @@ class CORSOptions:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
               log_prompts: bool = False, *, log_requests: bool = True, max_log_len: int | None = None,
-              chat_template: str | None = None, cors: CORSOptions = CORSOptions()) -> FastAPI:
+              chat_template: str | None = None, cors: CORSOptions = CORSOptions(),
+              limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The app serving ``engine`` under ``served_model_name`` (or several names: requests may use any,
     responses and metrics report the first); the caller owns the engine (starts it before serving,
     shuts it down after). ``log_requests``, ``log_prompts``, ``max_log_len``: see ``RequestLog``;
-    ``chat_template``: Jinja text used instead of the tokenizer's."""
+    ``chat_template``: Jinja text used instead of the tokenizer's; ``limits``: what one request may
+    take. ``app.state.serving`` is its ``OpenAIServing`` (``GracefulServer`` drains it)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must give at least one name.")
     app = FastAPI(title="jaxpaged", summary="OpenAI-compatible LLM server on JAX")
+    metrics = ServerMetrics(engine, names[0])
+    serving = OpenAIServing(engine, names, metrics, RequestLog(log_requests, log_prompts, max_log_len), chat_template,
+                            limits)
+    app.state.serving = serving
+    # Added first, so inside CORS: a 413 or 503 carries its headers, as a browser needs to read it.
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
+    app.add_middleware(RefuseWhileDraining, serving=serving)
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                        allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
                        allow_credentials=cors.allow_credentials)
     install_error_handlers(app)
-    metrics = ServerMetrics(engine, names[0])
-    serving = OpenAIServing(engine, names, metrics, RequestLog(log_requests, log_prompts, max_log_len), chat_template)
     guarded = APIRouter(dependencies=[Depends(_api_key_checker(api_key))] if api_key else [])
 
     def respond(result: BaseModel | EventStream) -> Response:
@@ -117,21 +247,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @guarded.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        serving.check_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            tokens = serving.apply_chat_template(body.messages, body.add_generation_prompt)
-        else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await serving.tokenize(body)
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @guarded.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {engine.tokenizer.vocab_size}); got {bad[:5]}.",
-                           param="tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await serving.detokenize(body))
 
     app.include_router(guarded)
 

@@ -1,25 +1,45 @@
 """OpenAI API request and response bodies (pydantic), plus vLLM's extra sampling parameters.
 
 Request models forbid unknown fields, as OpenAI does: a misspelt parameter is a 400, not
-something silently ignored. Sampling parameters keep vLLM's names, which are
-``SamplingParams``' field names, so they are passed through by name and validated there.
+something silently ignored. Their types are strict, as OpenAI's schema is: an integer field takes
+no bool, float or string (``"n": true``, ``"seed": 1.0``), a number field no bool or string, a bool
+field only ``true``/``false`` (not ``"yes"``), and every string must be valid Unicode (a lone
+surrogate such as ``"\ud800"`` cannot be tokenized or sent back as UTF-8). Sampling parameters keep
+vLLM's names, which are ``SamplingParams``' field names, so they are passed through by name and
+validated there (ranges, float32 and int32 limits).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
+                      model_serializer, model_validator)
 
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, is_unicode
 
 MAX_N = 128
 """OpenAI's own limit on ``n`` (also applied to ``best_of``)."""
 MAX_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs`` (also applied to the completions API's ``logprobs``)."""
 
+
+def _unicode(text: str) -> str:
+    if not is_unicode(text):
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate); send UTF-8 text")
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+"""A JSON string encodable as UTF-8."""
+Number = Annotated[float, Strict()]
+"""A JSON number (an integer or not), not a bool or a string."""
+Int = StrictInt
+"""A JSON integer, not a bool, a float (``1.0``) or a string."""
+Bool = StrictBool
+"""``true`` or ``false``, not ``1`` or ``"yes"``."""
 
 
 _PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
@@ -34,38 +54,40 @@ class RequestModel(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingRequest(RequestModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    model: str | None = None
-    stream: bool = False
+    model: Text | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # Sampling, OpenAI's:
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: Int | None = Field(None, ge=-2**63, lt=2**63)
+    stop: Text | list[Text] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[int, Number] | None = None
     # vLLM's extras:
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    cache_salt: str | None = Field(None, min_length=1, description="Only requests with the same salt share "
-                                   "prefix-cache blocks (vLLM's parameter).")
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
+    top_k: Int | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+    spaces_between_special_tokens: Bool | None = None
+    cache_salt: Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)] | None = Field(
+        None, description="Only requests with the same salt share prefix-cache blocks (vLLM's parameter).")
+    priority: Int = Field(0, description="Lower runs sooner, with --scheduling-policy priority; else 0 "
+                                         "(vLLM's parameter).")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -96,10 +118,10 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    prompt: Text | list[Text] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Bool = False
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -112,13 +134,13 @@ class CompletionRequest(SamplingRequest):
 
 class TextContentPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
+    content: Text | list[TextContentPart]
+    name: Text | None = None
 
     def to_template_dict(self) -> dict[str, str]:
         """The message as a chat template sees it (OpenAI's ``developer`` role is ``system``)."""
@@ -128,11 +150,11 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: Bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -147,20 +169,20 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeCompletionRequest(RequestModel):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: Bool = True
 
 
 class TokenizeChatRequest(RequestModel):
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
 
 
 class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[Int]
 
 
 # ---- responses --------------------------------------------------------------------------

@@ -302,3 +302,42 @@ def test_shutdown_ends_open_streams(llm_engine):
     asyncio.run(main())
     assert not llm_engine.has_unfinished_requests()
     assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
+
+
+def test_add_requests_queues_all_prompts_in_one_command_or_none(llm_engine):
+    """One API request's prompts are added in one command, applied between two steps (not one per
+    step); one inadmissible prompt leaves none queued; ``abort`` with their ids drops them all at once."""
+    gated = GatedEngine(llm_engine, open=True)
+    engine = AsyncLLMEngine(gated)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        running = await engine.add_request(engine.make_request("first", [5, 6], long))
+        await anext(running)
+        gated.gate.clear()
+        gated.stepping.clear()
+        await wait_for(gated.stepping.is_set)        # the loop thread is stuck in a step
+        group = [engine.make_request(f"g{i}", [5, 6, i + 7], long) for i in range(20)]
+        added = asyncio.ensure_future(engine.add_requests(group))
+        await asyncio.sleep(0.05)
+        assert len(engine._commands) == 1
+        gated.gate.set()
+        streams = await added                        # all admitted at once
+        await wait_for(lambda: engine.stats.num_running + engine.stats.num_waiting == 21, timeout=1)
+        bad = [engine.make_request("ok", [5, 6], GREEDY), engine.make_request("first", [5, 6], GREEDY)]
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_requests(bad)
+        assert llm_engine.scheduler.get_request("ok") is None
+        engine.abort(["first", *(s.request_id for s in streams)])
+        await wait_for(lambda: engine.stats.num_running == engine.stats.num_waiting == 0)
+        for stream in [running, *streams]:
+            async for _ in stream:                   # closed without a finished output
+                pass
+            assert not stream.finished
+
+    try:
+        asyncio.run(main())
+    finally:
+        gated.gate.set()
+        engine.shutdown()
+    assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks

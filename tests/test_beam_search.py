@@ -152,3 +152,21 @@ def test_state_stops_per_hf_rules():
     assert st.done and nxt == []
     assert [h.token_ids for h in st.finished] == [[EOS], [5, EOS]]
     assert st.finished[1].score == pytest.approx(-0.25 / 2)
+
+
+def test_a_beam_search_failing_in_a_step_returns_error_beams_and_frees_its_blocks(llm, monkeypatch):
+    """A beam search whose step raises ends like a failed request: its beams finish with reason "error"
+    (scored -inf, below any real beam), its blocks are freed, and the engine serves the next search."""
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    prompt = random_prompts(np.random.default_rng(5), [7])[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    with monkeypatch.context() as mp:
+        mp.setattr(BeamSearchState, "step", broken)
+        [out] = llm.beam_search([prompt], params)
+    assert [(s.finish_reason, s.score) for s in out.sequences] == [("error", float("-inf"))] * 2
+    eng = llm.engine
+    assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
+    [again] = llm.beam_search([prompt], params)
+    assert [s.finish_reason for s in again.sequences] != ["error", "error"]

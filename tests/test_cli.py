@@ -22,8 +22,10 @@ from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.cli import build_parser, engine_args_from, load_chat_template, main
 from jaxpaged.config import DEFAULT_MODEL, EngineConfig
 from jaxpaged.kernels import cpu_matmul
+from jaxpaged.server import app as server_app
 from jaxpaged.server import build_app
 from jaxpaged.server.app import CORSOptions
+from jaxpaged.server.serving import ServerLimits
 from test_server import ENGINE_ARGS, serve
 
 VLLM_COMMAND = ("serve HuggingFaceTB/SmolLM2-135M-Instruct --dtype auto --gpu-memory-utilization 0.9 --swap-space 4 "
@@ -306,21 +308,34 @@ def test_request_log_flags(engine, caplog):
 
 
 def test_serve_command_wires_the_server_options(tiny, tmp_path, monkeypatch):
-    """``jaxpaged serve`` builds the app and uvicorn's run from the flags (uvicorn faked)."""
+    """``jaxpaged serve`` builds the app, uvicorn's config and the draining server from the flags (uvicorn's
+    config and the server faked)."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     key.write_text("k")
     cert.write_text("c")
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(app=app, **kwargs))
+
+    class FakeServer:
+        def __init__(self, config, engine, shutdown_timeout):
+            seen.update(config, shutdown_timeout=shutdown_timeout)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kwargs: dict(app=app, **kwargs))
+    monkeypatch.setattr(server_app, "GracefulServer", FakeServer)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
     try:
         assert main(["serve", str(tiny[0]), "--served-model-name", "x", "y", "--root-path", "/llm", "--ssl-keyfile",
-                     str(key), "--ssl-certfile", str(cert), "--no-precompile", *flags]) == 0
+                     str(key), "--ssl-certfile", str(cert), "--no-precompile", "--shutdown-timeout", "7",
+                     "--max-request-body-bytes", "1MiB", "--max-seqs-per-request", "3", *flags]) == 0
     finally:
         gc.unfreeze()
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["root_path"]) == (str(key), str(cert), "/llm")
+    assert seen["shutdown_timeout"] == 7.0
     app = seen["app"]
-    assert [m.cls.__name__ for m in app.user_middleware] == ["CORSMiddleware"]
+    assert [m.cls.__name__ for m in app.user_middleware] == ["CORSMiddleware", "RefuseWhileDraining", "BodySizeLimit"]
+    assert app.state.serving.limits == ServerLimits(2**20, 3, None)
     models = TestClient(app).get("/v1/models", headers={"Origin": "https://a.example"})
     assert [m["id"] for m in models.json()["data"]] == ["x", "y"]
     assert models.headers["access-control-allow-origin"] == "*"

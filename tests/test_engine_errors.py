@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM, LLMEngine, RequestOutputKind, SamplingParams, model_runner
+from jaxpaged.sequence_slots import SequenceSlots
 from tiny_models import hf_greedy
 
 
@@ -104,3 +105,54 @@ def test_unsupported_architecture(tiny, tmp_path):
 def test_bad_engine_config(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny[0]), **kwargs)
+
+
+# ---- one request's failure inside a step (issue 52) -----------------------------------------
+
+def _fails_for_bad(original, request_of=lambda *args: args[0], after: int = 0, bad: str = "bad"):
+    """``original`` wrapped to raise for request (or sample) ``bad`` once it has ``after`` output tokens."""
+    def wrapper(*args, **kwargs):
+        r = request_of(*args)
+        if r.request_id == bad and r.num_output_tokens >= after:
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+    return wrapper
+
+
+INJECTIONS = {
+    # where: (patch(monkeypatch), the bad request's extra sampling parameters)
+    "sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
+        SequenceSlots._write_sampling_row, lambda slots, s, r: r)), {}),
+    "penalty lists": (lambda mp: mp.setattr(model_runner, "_host_lists", _fails_for_bad(
+        model_runner._host_lists, after=2)), dict(repetition_penalty=1.3)),
+    "stop check": (lambda mp: mp.setattr(LLMEngine, "_stop_status", staticmethod(_fails_for_bad(
+        LLMEngine._stop_status, after=3))), dict(stop=["never said"])),
+    "detokenizer": (lambda mp: mp.setattr(LLMEngine, "_passed", _fails_for_bad(
+        LLMEngine._passed, lambda eng, r, *_: r, after=2)), dict(output_kind=RequestOutputKind.DELTA)),
+    "output": (lambda mp: mp.setattr(LLMEngine, "_make_output", _fails_for_bad(
+        LLMEngine._make_output, lambda eng, r: r, after=1)), {}),
+    "a fork's sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
+        SequenceSlots._write_sampling_row, lambda slots, s, r: r, bad="1_bad")), dict(n=2)),
+}
+
+
+@pytest.mark.parametrize("where", INJECTIONS)
+def test_a_request_failing_in_a_step_ends_with_an_error_and_the_others_finish(llm, tiny, monkeypatch, where):
+    """The failed request ends with finish reason "error" and its blocks freed; the requests in the same
+    steps get their greedy outputs; the engine serves the next request."""
+    patch, extra = INJECTIONS[where]
+    patch(monkeypatch)
+    eng = llm.engine
+    good = {"good-1": [11, 12, 13], "good-2": [21, 22, 23, 24]}
+    for rid, prompt in good.items():
+        eng.add_request(rid, prompt, SP)
+    eng.add_request("bad", [31, 32, 33], SamplingParams(**{**dict(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                   seed=1), **extra}))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert {c.finish_reason for c in outs["bad"].outputs} == {"error"}
+    for rid, prompt in good.items():
+        assert outs[rid].outputs[0].token_ids == hf_greedy(tiny[1], prompt, 6)[0], rid
+    monkeypatch.undo()
+    assert_still_serving(llm, tiny)

@@ -1,5 +1,6 @@
-"""Scheduler: budgets, FCFS order, chunked prefill, preemption by recomputation, aborts,
-admission errors; random workloads driven by a fake engine loop that checks every step."""
+"""Scheduler: budgets, FCFS order, fair turns between multi-prompt requests, priorities, chunked
+prefill, preemption by recomputation, aborts, admission errors; random workloads driven by a fake
+engine loop that checks every step."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
     return Request(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens),
-                   max_tokens=max_tokens, seed=0, multi_step=True)
+                   max_tokens=max_tokens, seed=0, multi_step=True, priority=priority)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
-                   chunked: bool = True, max_model_len: int = 1024, num_scheduler_steps: int = 1) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs, chunked, num_scheduler_steps=num_scheduler_steps),
+                   chunked: bool = True, max_model_len: int = 1024, num_scheduler_steps: int = 1,
+                   policy: str = "fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, max_seqs, chunked, num_scheduler_steps=num_scheduler_steps,
+                                     scheduling_policy=policy),
                      KVCacheManager(num_blocks, block_size), max_model_len)
 
 
@@ -98,8 +101,8 @@ class FakeEngine:
         # Running requests first, as a prefix of admission order; then waiting ones, FCFS.
         # (Passing over running requests that wait for their last token, in flight.)
         k = sum(r in running_before for r in out.requests)
-        eligible = [r for r in running_before
-                    if r in out.requests or r.num_output_tokens + r.num_output_placeholders < r.max_tokens]
+        eligible = [r for r in running_before if r in out.requests or (
+            r.num_output_tokens + r.num_output_placeholders < r.max_tokens and r not in out.preempted)]
         if out.num_steps > 1:
             # A group: every running request with outputs left, those with more steps first.
             assert 1 < out.num_steps == cfg.num_scheduler_steps and not out.preempted and k == len(out.requests)
@@ -115,9 +118,14 @@ class FakeEngine:
             assert victim in running_before and victim not in out.requests
             assert victim.status is RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0 and victim.block_ids == []
-        # Waiting order is kept: victims at the front (oldest first), then the rest, unskipped.
         admitted = len(out.requests) - k
-        assert list(self.sched.waiting) == out.preempted[::-1] + waiting_before[admitted:]
+        # Waiting order is kept, victims queued among it: at the front (oldest first), by priority, or
+        # (making room for a new request) right behind it.
+        assert sorted(map(id, self.sched.waiting)) == sorted(map(id, out.preempted + waiting_before[admitted:]))
+        assert [r for r in self.sched.waiting if r not in out.preempted] == waiting_before[admitted:]
+        front = list(self.sched.waiting)[:len(out.preempted)]
+        if not self.sched.by_priority and all(r in out.preempted for r in front):
+            assert front == out.preempted[::-1]
         # A running request not scheduled is out of budget, or waits for its last token, in flight.
         unscheduled = [r for r in running_before if r not in out.requests and r not in out.preempted
                        and r.num_output_tokens + r.num_output_placeholders < r.max_tokens]
@@ -137,11 +145,14 @@ def check_scheduler_state(sched: Scheduler) -> None:
     assert sched.num_running == len(sched.running) and sched.num_waiting == len(sched.waiting)
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
+    if sched.by_priority:       # the preemption victim, last, has the lowest priority
+        assert [r.priority for r in sched.running] == sorted(r.priority for r in sched.running)
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0
     live = sched.running + list(sched.waiting)
     assert len(live) == len(set(map(id, live)))
+    assert sched._num_grouped == sum(r.queue_group > 0 for r in sched._requests.values())
     for r in live:
         assert sched.get_request(r.request_id) is r
         assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens)
@@ -246,6 +257,91 @@ def test_max_num_seqs_limits_admission() -> None:
     assert out.requests == reqs[2:]
     eng.run(max_steps=10)
     assert_all_done(sched, reqs)
+
+
+def test_a_multi_prompt_request_takes_turns_with_later_requests() -> None:
+    """400 prompts of one request do not all run before the request sent after them: that one goes
+    first in the queue, and as the big request holds every slot, its newest running prompt makes room
+    (queued right behind): the small request starts in the next step. Two multi-prompt requests
+    alternate prompt by prompt."""
+    sched = make_scheduler(max_seqs=2, budget=64)
+    eng = FakeEngine(sched)
+    big = [make_request(f"big{i}", 2, 20) for i in range(400)]
+    sched.add_requests(big)
+    assert eng.step().requests == big[:2]
+    small = make_request("small", 2, 2)
+    sched.add_request(small)
+    assert list(sched.waiting)[:2] == [small, big[2]]
+    out = eng.step()
+    assert out.preempted == [big[1]] and out.requests == [big[0]]
+    assert list(sched.waiting)[:3] == [small, big[1], big[2]]
+    assert eng.step().requests == [big[0], small]
+    eng.step()
+    assert small.status is RequestStatus.FINISHED_LENGTH and small.num_preemptions == 0
+
+    other = [make_request(f"other{i}", 2, 20) for i in range(3)]
+    sched.add_requests(other)
+    assert list(sched.waiting)[:6] == [big[1], other[0], big[2], other[1], big[3], other[2]]   # resumed first
+    eng.run(max_steps=20000)
+    assert_all_done(sched, [*big, small, *other])
+
+
+def test_making_room_for_a_new_request_keeps_each_request_one_running() -> None:
+    """A new request asking for more sequences than can be freed (each running request keeps one, a
+    higher priority's none are taken) waits, and nothing is preempted for it."""
+    sched = make_scheduler(max_seqs=4, budget=64)
+    eng = FakeEngine(sched)
+    a, b = [make_request(f"a{i}", 2, 20) for i in range(2)], [make_request(f"b{i}", 2, 20) for i in range(2)]
+    sched.add_requests(a)
+    sched.add_requests(b)
+    eng.step()
+    wide = make_request("wide", 2, 2)
+    wide.reserved_seqs = 2                  # n = 3: 3 slots, but only 2 can be freed
+    sched.add_request(wide)
+    assert not eng.step().preempted and sched.num_running == 4
+
+
+def test_a_turn_lasts_as_many_tags_as_the_prompt_runs_sequences() -> None:
+    """A prompt with n = 4 samples counts as 4 sequences: a later single-sequence request goes ahead
+    of the big request's next prompt."""
+    sched = make_scheduler(max_seqs=8, budget=64)
+    big = [make_request(f"big{i}", 2, 2) for i in range(3)]
+    for r in big:
+        r.reserved_seqs = 3
+    sched.add_requests(big)
+    assert [r.queue_tag for r in big] == [0, 4, 8]
+    single = make_request("single", 2, 2)
+    sched.add_request(single)
+    assert list(sched.waiting) == [big[0], single, big[1], big[2]]
+
+
+def test_add_requests_is_all_or_nothing() -> None:
+    sched = make_scheduler(max_model_len=16)
+    good = make_request("good", 2, 2)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        sched.add_requests([good, make_request("too-long", 10, 10)])
+    with pytest.raises(ValueError, match=r"\['twin'\] are given twice"):
+        sched.add_requests([make_request("twin", 2, 2), make_request("twin", 2, 2)])
+    assert not sched.has_unfinished_requests() and not sched.waiting
+
+
+def test_priority_policy_runs_the_lowest_priority_value_first_and_preempts_the_highest() -> None:
+    """vLLM's ``priority`` policy: waiting requests by (priority, arrival); the running request with
+    the largest priority value is the preemption victim, even when it is not the newest."""
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=16, policy="priority")   # 3 blocks of 4
+    eng = FakeEngine(sched)
+    low, high, mid = make_request("low", 4, 4, priority=5), make_request("high", 1, 3), make_request("mid", 1, 3, 1)
+    for r in (low, high, mid):
+        sched.add_request(r)
+    assert list(sched.waiting) == [high, mid, low]
+    assert eng.step().requests == [high, mid, low] and sched.running == [high, mid, low]
+    out = eng.step()                     # low crosses into a second block: it is the victim itself
+    assert out.preempted == [low] and sched.running == [high, mid]
+    later = make_request("later", 1, 1, priority=9)
+    sched.add_request(later)
+    assert list(sched.waiting) == [low, later]      # a resumed request goes before new ones of lower priority
+    eng.run(max_steps=40)
+    assert_all_done(sched, [low, high, mid, later])
 
 
 def preemption_scenario() -> tuple[Scheduler, FakeEngine, list[Request]]:
@@ -458,6 +554,7 @@ workload = st.fixed_dictionaries({
     # (prompt_len, max_tokens, arrival_step)
     "requests": st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(0, 15)),
                          min_size=1, max_size=10),
+    "grouped": st.booleans(),       # the requests arriving in one step are one multi-prompt request
 })
 
 
@@ -480,8 +577,14 @@ def test_random_workloads_finish_within_budgets(w: dict) -> None:
     max_steps = last_arrival + 1 + sum(r.num_prompt_tokens + r.max_tokens + w["lag"] for r in reqs)
     step = 0
     while arrivals or sched.has_unfinished_requests() or eng.in_flight:
+        group = []
         while arrivals and w["requests"][arrivals[0]][2] <= step:
-            sched.add_request(reqs[arrivals.pop(0)])
+            group.append(reqs[arrivals.pop(0)])
+        if w["grouped"]:
+            sched.add_requests(group)
+        else:
+            for r in group:
+                sched.add_request(r)
         assert eng.num_steps < max_steps, "requests starved or deadlocked"
         eng.step()
         step += 1

@@ -613,10 +613,11 @@ def test_serve_freezes_what_it_loaded_out_of_the_garbage_collector(tiny, monkeyp
 
     seen = {}
 
-    def fake_run(app, **kwargs):
-        seen.update(app=app, frozen=gc.get_freeze_count(), collectable=len(gc.get_objects()), **kwargs)
+    def fake_run(server):
+        seen.update(app=server.config.app, host=server.config.host, port=server.config.port,
+                    frozen=gc.get_freeze_count(), collectable=len(gc.get_objects()))
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
     try:
         assert main(["serve", "--model", str(tiny[0]), "--host", "127.0.0.1", "--port", "8123", *flags]) == 0
