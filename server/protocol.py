@@ -4,7 +4,7 @@ Request models forbid unknown fields, as OpenAI does: a misspelt parameter is a 
 something silently ignored. Their types are strict, as OpenAI's schema is: an integer field takes
 no bool, float or string (``"n": true``, ``"seed": 1.0``), a number field no bool or string, a bool
 field only ``true``/``false`` (not ``"yes"``), and every string must be valid Unicode (a lone
-surrogate such as ``"\ud800"`` cannot be tokenized or sent back as UTF-8). Sampling parameters keep
+surrogate such as ``"\\ud800"`` cannot be tokenized or sent back as UTF-8). Sampling parameters keep
 vLLM's names, which are ``SamplingParams``' field names, so they are passed through by name and
 validated there (ranges, float32 and int32 limits).
 """
