@@ -129,6 +129,8 @@ class SamplingParams:
         self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         if self.best_of is None:
             self.best_of = self.n
+        if _is_int(self.top_k) and self.top_k == 0:
+            self.top_k = -1                 # vLLM reads 0, as -1, as no top-k
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s and would overflow the scaled logits; using %s.",
@@ -181,7 +183,7 @@ class SamplingParams:
         real("temperature", lambda v: v >= 0.0, ">= 0 (0 = greedy)")
         real("top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]", positive=True)
         need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-             "-1 (disable) or at least 1 (at least the vocabulary size: all tokens)")
+             "0 or -1 (disable) or at least 1 (at least the vocabulary size: all tokens)")
         real("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
              "None or an integer in [-2**63, 2**63)")

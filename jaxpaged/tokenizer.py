@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import codecs
+import inspect
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tokenizers
 import tokenizers.decoders
@@ -161,22 +163,30 @@ class Tokenizer:
             return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The token ids of ``messages`` rendered by ``chat_template`` (Jinja text, as vLLM's
-        ``--chat-template`` gives it) or, without one, by the tokenizer's own template."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, chat_template), add_special_tokens=False)
+        ``--chat-template`` gives it) or, without one, by the tokenizer's own template;
+        ``chat_template_kwargs``: extra template variables (``enable_thinking``...), as vLLM's."""
+        text = self.render_chat(messages, add_generation_prompt, chat_template, chat_template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """``messages`` rendered as text (``apply_chat_template`` before tokenizing: the template writes
-        the special tokens, so the text is encoded without adding any)."""
+        the special tokens, so the text is encoded without adding any). ``chat_template_kwargs`` may not
+        name ``apply_chat_template``'s own parameters (``ValueError``): they are template variables only."""
         if not (chat_template or self.hf.chat_template):
             raise ValueError(
                 f"tokenizer {self.hf.name_or_path!r} has no chat template; send a plain prompt instead, "
                 "or give one (chat_template, --chat-template)."
             )
+        variables = dict(chat_template_kwargs or {})
+        reserved = sorted(variables.keys() & inspect.signature(self.hf.apply_chat_template).parameters.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: they are not template variables.")
         return self.hf.apply_chat_template(messages, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+                                           add_generation_prompt=add_generation_prompt, tokenize=False, **variables)
 
 
 class IncrementalDetokenizer:

@@ -2,7 +2,8 @@
 ``GracefulServer``: uvicorn's server with a bounded drain on shutdown.
 
 With an API key, everything under ``/v1`` and the tokenizer endpoints need
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for probes and scrapers.
+``Authorization: Bearer <key>``; ``/health``, ``/ping``, ``/version`` and ``/metrics`` stay open for probes
+and scrapers.
 Cross-origin requests are answered as ``CORSOptions`` says (vLLM's defaults: any origin, method and
 header), preflights before the key is checked, as browsers send them without it. A body over
 ``ServerLimits.max_request_body_bytes`` gets 413 before it is read in full (``BodySizeLimit``); while
@@ -12,6 +13,7 @@ the server drains, every request but ``/metrics`` gets 503 (``RefuseWhileDrainin
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import secrets
 import time
@@ -29,9 +31,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server.errors import APIError, install_error_handlers
 from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.sampling_params import excerpt
 from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                             ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-                             TokenizeResponse)
+                             ModelCard, ModelList, RequestModel, TokenizeChatRequest, TokenizeCompletionRequest,
+                             TokenizerInfoResponse, TokenizeResponse, VersionResponse)
 from jaxpaged.server.serving import (ClientDisconnected, EventStream, OpenAIServing, RequestLog, ServerLimits,
                                      shutting_down_error)
 
@@ -168,6 +171,13 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def warn_ignored_fields(body: RequestModel) -> None:
+    """One warning naming the fields of ``body`` that were ignored (vLLM's rule: served, not refused)."""
+    ignored = body.ignored_fields()
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", excerpt(sorted(ignored)))
+
+
 def _api_key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -224,6 +234,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @guarded.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        warn_ignored_fields(body)
         try:
             return respond(await serving.create_completion(body, request))
         except ClientDisconnected:
@@ -231,6 +242,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @guarded.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        warn_ignored_fields(body)
         try:
             return respond(await serving.create_chat_completion(body, request))
         except ClientDisconnected:
@@ -247,12 +259,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
 
     @guarded.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        warn_ignored_fields(body)
         tokens = await serving.tokenize(body)
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @guarded.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        warn_ignored_fields(body)
         return DetokenizeResponse(prompt=await serving.detokenize(body))
+
+    @guarded.get("/tokenizer_info")
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        return serving.tokenizer_info()
 
     app.include_router(guarded)
 
@@ -262,6 +280,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
         if not engine.is_alive:
             raise APIError(503, "The engine is dead.", type="server_error", code="engine_dead")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """``/health`` under SageMaker's name, as vLLM serves it."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=importlib.metadata.version("jaxpaged"))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

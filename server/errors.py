@@ -63,9 +63,6 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # Our own checks (a value error) say more than a union's other members (``prompt`` as a list of ids).
     err = next((e for e in errors if e["type"] == "value_error"), errors[0])
     loc = [str(part) for part in err["loc"][1:]]            # drop the leading "body"
-    if err["type"] == "extra_forbidden":
-        names = [part for part in loc[:-1] if _names_field(part)] + loc[-1:]
-        return APIError(400, f"Unrecognized request argument supplied: {'.'.join(names)}", param=names[0])
     if err["type"] == "json_invalid":
         return APIError(400, "The request body is not valid JSON.")
     message = err["msg"].removeprefix("Value error, ")

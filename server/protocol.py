@@ -1,7 +1,10 @@
 """OpenAI API request and response bodies (pydantic), plus vLLM's extra sampling parameters.
 
-Request models forbid unknown fields, as OpenAI does: a misspelt parameter is a 400, not
-something silently ignored. Their types are strict, as OpenAI's schema is: an integer field takes
+Request models accept unknown fields, at any depth, and ignore them (vLLM's rule: clients such as
+guidellm and lm-eval send fields of their own); the app logs their names (``ignored_fields``). Fields
+of OpenAI's or vLLM's API that this server does not implement (``tools``, ``response_format`` other
+than text, guided decoding...) are refused with a 400 saying so, as ignoring them would answer
+something else than what was asked. Their types are strict, as OpenAI's schema is: an integer field takes
 no bool, float or string (``"n": true``, ``"seed": 1.0``), a number field no bool or string, a bool
 field only ``true``/``false`` (not ``"yes"``), and every string must be valid Unicode (a lone
 surrogate such as ``"\\ud800"`` cannot be tokenized or sent back as UTF-8). Sampling parameters keep
@@ -12,11 +15,11 @@ validated there (ranges, float32 and int32 limits).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
-                      model_serializer, model_validator)
+                      ValidationInfo, model_serializer, model_validator)
 
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, is_unicode
 
@@ -42,6 +45,20 @@ Bool = StrictBool
 """``true`` or ``false``, not ``1`` or ``"yes"``."""
 
 
+def _refuse(value: Any, info: ValidationInfo) -> None:
+    """Any value but null: this server does not implement the field, and ignoring it would answer another request."""
+    raise ValueError(f"{info.field_name} is not supported by this server; leave it out.")
+
+
+def _text_format(value: Any, info: ValidationInfo) -> Any:
+    """``{"type": "text"}``, the default and so a no-op, is accepted; any other format is refused."""
+    return value if value == {"type": "text"} else _refuse(value, info)
+
+
+Unsupported = Annotated[Any, AfterValidator(_refuse)] | None
+"""A known field this server does not implement: null or absent, else a 400."""
+
+
 _PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                  "logit_bias", "best_of", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
@@ -50,11 +67,32 @@ _PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty"
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body, or part of one, that keeps unknown fields aside (``model_extra``) to be reported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> set[str]:
+        """The dotted names of the fields sent that no model declares, at any depth, a list's items as
+        ``[]`` (``messages[].type``): they are ignored, and vLLM logs them."""
+        names = set(self.model_extra or {})
+        for name in self.model_fields_set:
+            for path, inner in _nested_models(getattr(self, name), name):
+                names |= {f"{path}.{field}" for field in inner.ignored_fields()}
+        return names
+
+
+def _nested_models(value: Any, path: str) -> Iterator[tuple[str, RequestModel]]:
+    """The request models within a field's value, with their paths."""
+    if isinstance(value, RequestModel):
+        yield path, value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _nested_models(item, f"{path}[]")
 
 
 class StreamOptions(RequestModel):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = Field(False, description="With include_usage, usage on every chunk (vLLM's).")
 
 
 class SamplingRequest(RequestModel):
@@ -88,6 +126,13 @@ class SamplingRequest(RequestModel):
         None, description="Only requests with the same salt share prefix-cache blocks (vLLM's parameter).")
     priority: Int = Field(0, description="Lower runs sooner, with --scheduling-policy priority; else 0 "
                                          "(vLLM's parameter).")
+    # Known, not implemented (a 400 unless null):
+    response_format: Annotated[Any, AfterValidator(_text_format)] | None = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    structured_outputs: Unsupported = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -98,6 +143,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: only together with ``include_usage``."""
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
 
     def to_sampling_params(self, defaults: Mapping[str, Any], **resolved) -> SamplingParams:
         """``SamplingParams`` from the fields the client set, the model's ``defaults`` (its generation config:
@@ -119,9 +169,15 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=1)
+    max_tokens: Int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing.")
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
+    suffix: Unsupported = None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt and its logprobs (OpenAI's and vLLM's rule)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -155,6 +211,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
+    chat_template_kwargs: dict[Text, Any] | None = Field(None, description="Extra chat template variables (vLLM's).")
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -178,6 +239,7 @@ class TokenizeChatRequest(RequestModel):
     model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: Bool = True
+    chat_template_kwargs: dict[Text, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -308,6 +370,17 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's ``/tokenizer_info``: the tokenizer's class and its ``tokenizer_config.json`` settings."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

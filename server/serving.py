@@ -20,11 +20,11 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring as json_string
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
@@ -39,7 +39,8 @@ from jaxpaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkC
                              ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaMessage, DetokenizeRequest, ErrorResponse, SamplingRequest,
-                             TokenizeChatRequest, TokenizeCompletionRequest, TopLogprob, UsageInfo)
+                             TokenizeChatRequest, TokenizeCompletionRequest, TokenizerInfoResponse, TopLogprob,
+                             UsageInfo)
 from jaxpaged.tokenizer import GIL_HELD_CHARS
 
 logger = logging.getLogger("jaxpaged.server")
@@ -240,9 +241,13 @@ class OpenAIServing:
         prompts = body.prompts
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens may be 0 only with echo (to score the prompt); else at least 1.",
+                           param="max_tokens")
         echo_logprobs = body.logprobs if body.echo else None
-        sp = self._sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                   prompt_logprobs=echo_logprobs)
+        # Echo only: one token is generated (the engine needs a step), then left out of the answer, as vLLM.
+        sp = self._sampling_params(body, max_tokens=1 if body.echo_only else body.max_tokens,
+                                   logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
         request_id = f"cmpl-{_random_id()}"
         self._check_size(len(prompts), sp, body)
         requests = await self._off_loop(sum(map(len, prompts)), self._make_requests, request_id, prompts, sp, body,
@@ -285,7 +290,8 @@ class OpenAIServing:
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish_reason: str | None = None,
                   stop_reason: int | str | None = None) -> CompletionResponse:
             return CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)])
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)],
+                usage=job.usage if body.usage_on_every_chunk else None)
 
         states: dict[int, _ChoiceState] = {}
         text_events = TextDeltaEvents(chunk)
@@ -294,7 +300,7 @@ class OpenAIServing:
                 for j, c in enumerate(out.outputs):
                     index = i * job.n + j
                     text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()), body)
-                    if logprobs is None and c.finish_reason is None:
+                    if logprobs is None and c.finish_reason is None and not body.usage_on_every_chunk:
                         if text:
                             yield text_events.event(index, text)
                     elif text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
@@ -305,13 +311,15 @@ class OpenAIServing:
         """``c`` (a delta, or the whole output) as a choice's text and, if asked for, logprobs; the
         first piece starts with the prompt when ``echo``."""
         echo = body.echo and not state.started
-        text = (self._prompt_text(out) if echo else "") + c.text
+        generated = not body.echo_only
+        text = (self._prompt_text(out) if echo else "") + (c.text if generated else "")
         logprobs = None
         if body.logprobs is not None:
             logprobs = CompletionLogprobs()
             if echo:
                 self._add_completion_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, state)
-            self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, state)
+            if generated:
+                self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, state)
         state.started = True
         return text, logprobs
 
@@ -350,7 +358,7 @@ class OpenAIServing:
         self._check_size(1, sp, body)
 
         def make() -> list[Request]:
-            prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+            prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
             return self._make_requests(request_id, [prompt], sp, body, "messages")
 
         requests = await self._off_loop(_text_size(body.messages), make)
@@ -373,7 +381,8 @@ class OpenAIServing:
 
     async def _chat_choices(self, job: _Job, body: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice])
+            return ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice],
+                                       usage=job.usage if body.usage_on_every_chunk else None)
 
         text_events = TextDeltaEvents(lambda j, text: chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text))))
         for j in range(job.n):
@@ -382,7 +391,7 @@ class OpenAIServing:
             async for _, out in outputs:
                 for j, c in enumerate(out.outputs):
                     text, logprobs = self._chat_piece(c, body)
-                    if logprobs is None and c.finish_reason is None:
+                    if logprobs is None and c.finish_reason is None and not body.usage_on_every_chunk:
                         if text:
                             yield text_events.event(j, text)
                     elif text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
@@ -408,15 +417,17 @@ class OpenAIServing:
             logprobs = ChatChoiceLogprobs(content=content)
         return text, logprobs
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """The conversation's token ids: rendered by the chat template, then tokenized unless its
-        text is surely longer than ``max_model_len`` (``APIError``)."""
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The conversation's token ids: rendered by the chat template (given ``template_kwargs`` as extra
+        variables), then tokenized unless its text is surely longer than ``max_model_len`` (``APIError``)."""
         try:
             text = self.engine.tokenizer.render_chat([m.to_template_dict() for m in messages],
                                                      add_generation_prompt=add_generation_prompt,
-                                                     chat_template=self.chat_template)
-        except ValueError as e:          # no chat template
-            raise APIError(400, str(e), param="messages") from None
+                                                     chat_template=self.chat_template,
+                                                     chat_template_kwargs=template_kwargs)
+        except ValueError as e:          # no chat template, or kwargs naming its own parameters
+            raise APIError(400, str(e), param="chat_template_kwargs" if template_kwargs else "messages") from None
         return self._encode(text, False, "messages")
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -436,7 +447,7 @@ class OpenAIServing:
         self.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             tokens = await self._off_loop(_text_size(body.messages), self.chat_prompt, body.messages,
-                                          body.add_generation_prompt)
+                                          body.add_generation_prompt, body.chat_template_kwargs)
         else:
             tokens = await self._off_loop(len(body.prompt), self._encode, body.prompt, body.add_special_tokens,
                                           "prompt")
@@ -445,6 +456,18 @@ class OpenAIServing:
             raise APIError(400, f"the input has {len(tokens)} tokens, but max_model_len is {limit}; shorten it.",
                            param="messages" if isinstance(body, TokenizeChatRequest) else "prompt")
         return tokens
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        """vLLM's ``/tokenizer_info``: the tokenizer's class, its settings as loaded (special tokens,
+        ``model_max_length``...) and the chat template in use; file paths are left out, as they describe
+        the server's disk, not the tokenizer."""
+        hf = self.engine.tokenizer.hf
+        info = {key: _jsonable(value) for key, value in hf.init_kwargs.items()
+                if not key.endswith("_file") and key != "name_or_path"}
+        template = self.chat_template or hf.chat_template
+        if template:
+            info["chat_template"] = template
+        return TokenizerInfoResponse(**{**info, "tokenizer_class": type(hf).__name__})
 
     async def detokenize(self, body: DetokenizeRequest) -> str:
         """The text of at most ``max_model_len`` token ids of the vocabulary."""
@@ -572,6 +595,18 @@ class OpenAIServing:
         if self.log.enabled:
             logger.info("%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s", stream.request_id,
                         stream.num_prompt_tokens, generated, time.time() - arrival_time, reason)
+
+
+def _jsonable(value: Any) -> Any:
+    """A tokenizer setting as JSON: an ``AddedToken`` as its text (vLLM's rule), containers item by item,
+    anything else not JSON as its ``str``."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value.content if hasattr(value, "content") else str(value)
 
 
 def _text_size(messages: Sequence[ChatMessage]) -> int:

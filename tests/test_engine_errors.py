@@ -48,7 +48,7 @@ def test_bad_request_rejected_and_engine_keeps_serving(llm, tiny, prompt, params
     (dict(max_tokens=0), "max_tokens must be at least 1"),
     (dict(temperature=-0.5), "temperature must be >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=0), "top_k must be -1"),
+    (dict(top_k=-2), "top_k must be 0 or -1"),
     (dict(stop=[""]), "stop must be a list of non-empty strings"),
 ])
 def test_bad_sampling_params(kwargs, message):

@@ -259,7 +259,7 @@ def test_special_tokens_in_text(llm):
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(temperature=float("nan")), "temperature must be >= 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-2), "top_k must be -1"),
+    (dict(top_k=-2), "top_k must be 0 or -1"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(seed=2**64), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63\)"),
     (dict(stop=[3]), "stop must be a list of non-empty strings"),

@@ -362,7 +362,7 @@ def test_prefix_cache_metrics(client, url):
 BAD_REQUESTS = [
     # (endpoint, body, status, param, message pattern)
     ("completions", {"prompt": "x" * 600}, 400, "prompt", "max_model_len is 256"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
     ("completions", {"prompt": "hi", "max_tokens": 300}, 400, "prompt", "lower max_tokens"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", r"top_p must be in \(0, 1\]"),
@@ -380,7 +380,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ""}, 400, "prompt", "prompt is empty"),
     ("completions", {"prompt": 5}, 400, "prompt", "valid"),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None, "only allowed when"),
-    ("completions", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate", "Unrecognized request argument"),
+    ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix", "not supported"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
+    ("completions", {"prompt": "hi", "guided_json": {}}, 400, "guided_json", "not supported"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("completions", {}, 400, "prompt", "Field required"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
@@ -392,7 +396,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
      400, "top_logprobs", "less than or equal to 20"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools",
-     "Unrecognized"),
+     "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": 1}},
+     400, "chat_template_kwargs", "may not set"),
 ]
 
 

@@ -7,18 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from jaxpaged import LLM, EngineArgs, LLMEngine, SamplingParams
+from jaxpaged import LLM, LLMEngine, SamplingParams
 from jaxpaged import engine as engine_module
-from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.sampling_params import ParamError
 from jaxpaged.sequence_slots import SequenceSlots
-from jaxpaged.server import build_app
-from test_server import ENGINE_ARGS, MODEL, serve, wait_until_idle
+from test_server import engine, http, url, wait_until_idle  # noqa: F401  (engine, http, url: the fixtures)
 from tiny_models import hf_greedy
 
 HUGE_TOP_K = 1099511627776
@@ -97,25 +94,6 @@ def test_engine_refuses_bad_text_and_too_many_samples(llm, tiny, prompt, kwargs,
 
 
 # ---- the server ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def engine(tiny) -> Iterator[AsyncLLMEngine]:
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def url(engine) -> Iterator[str]:
-    with serve(build_app(engine, MODEL)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
-
 
 def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
     """POST ``body`` as ASCII JSON: a lone surrogate goes over the wire as the escape ``\\ud800``."""
