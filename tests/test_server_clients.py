@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -16,21 +15,9 @@ import pytest
 import torch
 
 from jaxpaged.server import build_app
-from test_server import MODEL, engine, serve, sse_events  # noqa: F401  (engine: the module's fixture)
+from test_server import MODEL, engine, http, serve, sse_events, url  # noqa: F401  (engine, http, url: the fixtures)
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def url(engine) -> Iterator[str]:
-    with serve(build_app(engine, MODEL)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
 
 
 def ignored_warning(caplog) -> str:
