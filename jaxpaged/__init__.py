@@ -6,13 +6,14 @@ import logging
 # warning on import that PyTorch was not found does not apply: drop that one record.
 logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
 
+from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from jaxpaged.config import EngineArgs
+from jaxpaged.config import AsyncEngineArgs, EngineArgs
 from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams", "RequestOutput",
+           "RequestOutputKind", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name: str):

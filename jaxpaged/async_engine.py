@@ -27,12 +27,13 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.config import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngineArgs, EngineArgs
 from jaxpaged.generation_config import GenerationDefaults
+from jaxpaged.prompts import PromptInput, parse_prompt
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:                   # the engine pulls in JAX; importing this mo
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_WAITING_REQUESTS = 1024
 _SWITCH_INTERVAL = 0.0005
 
 
@@ -152,7 +152,7 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info) -> None:
         if not self.finished:
-            self._engine.abort(self.request_id)
+            await self._engine.abort(self.request_id)
 
 
 @dataclass
@@ -201,11 +201,13 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                         max_queue_time: float | None = None) -> AsyncLLMEngine:
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        """Build the engine and start its loop thread; ``AsyncEngineArgs`` also bound the waiting queue."""
         from jaxpaged.engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(args), max_waiting_requests, max_queue_time)
+        if isinstance(args, AsyncEngineArgs):
+            return cls(LLMEngine.from_engine_args(args), args.max_waiting_requests, args.max_queue_time)
+        return cls(LLMEngine.from_engine_args(args))
 
     # ---- read-only facts, safe from any thread -------------------------------------------
 
@@ -222,8 +224,26 @@ class AsyncLLMEngine:
         return self.engine.generation_defaults
 
     @property
-    def is_alive(self) -> bool:
-        return self._error is None
+    def is_running(self) -> bool:
+        """The loop thread runs and serves requests (vLLM's name)."""
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        """The engine has stopped, by an error or ``shutdown``; ``dead_error`` says why."""
+        return self._error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._error
+
+    async def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` once the engine has stopped."""
+        if self._error is not None:
+            raise self._error
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -267,13 +287,27 @@ class AsyncLLMEngine:
         try:
             await admitted
         except asyncio.CancelledError:
-            self.abort(r.request_id for r in requests)
+            await self.abort(r.request_id for r in requests)
             raise
         return streams
 
-    def abort(self, request_id: str | Iterable[str]) -> None:
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's ``AsyncLLMEngine.generate``: the request's outputs as they come (kind per
+        ``sampling_params.output_kind``), the finished one last. ``prompt`` is text, token ids or a prompt
+        dict. Leaving the loop early, or cancelling the task iterating it, aborts the request. Raises as
+        ``make_request`` and ``add_request`` do, and ``RequestFailedError`` if the engine failed on it."""
+        parsed = parse_prompt(prompt)
+        request = self.make_request(request_id, parsed.prompt, sampling_params, cache_salt=parsed.cache_salt,
+                                    priority=priority)
+        async with await self.add_request(request) as stream:
+            async for output in stream:
+                yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
         """Drop requests (an id, or several: vLLM's signature) wherever they are and free their
-        blocks, in one command; a no-op for those that have finished."""
+        blocks, in one command; a no-op for those that have finished. Returns at once: the loop thread
+        drops them before its next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
             if self._error is not None or not ids:

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable
 
 from jaxpaged.config import (ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPE_CHOICES, MATMUL_BACKENDS, PREEMPTION_MODES,
-                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineArgs, parse_size)
+                             QUANTIZATIONS, SCHEDULING_POLICIES, AsyncEngineArgs, EngineArgs, parse_size)
 from jaxpaged.sampling_params import SamplingParams
 
 _CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "matmul_backend": MATMUL_BACKENDS,
@@ -226,7 +226,8 @@ def _serve(ns: argparse.Namespace) -> int:
             return 0
         engine = AsyncLLMEngine(sync_engine, ns.max_waiting_requests, ns.max_queue_time or None)
     else:
-        engine = AsyncLLMEngine.from_engine_args(args, ns.max_waiting_requests, ns.max_queue_time or None)
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+            **vars(args), max_waiting_requests=ns.max_waiting_requests, max_queue_time=ns.max_queue_time or None))
     try:
         cors = CORSOptions(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
         limits = ServerLimits(ns.max_request_body_bytes, ns.max_seqs_per_request, ns.max_tokens_per_request)

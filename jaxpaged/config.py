@@ -60,6 +60,9 @@ def parse_size(value: int | str, name: str) -> int:
     return size
 
 
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
 def _arg(default, help: str):
     return field(default=default, metadata={"help": help})
 
@@ -161,6 +164,16 @@ class EngineArgs:
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """``EngineArgs`` plus the bounds of ``AsyncLLMEngine``'s waiting queue (vLLM's ``AsyncEngineArgs``)."""
+
+    max_waiting_requests: int = _arg(DEFAULT_MAX_WAITING_REQUESTS, "Requests queued but not running beyond this are "
+                                     "refused (EngineOverloadedError) instead of letting memory grow.")
+    max_queue_time: float | None = _arg(None, "Seconds an added request may wait for its first step before it ends "
+                                        "with EngineOverloadedError; None: no limit.")
 
 
 def _is_number(value) -> bool:

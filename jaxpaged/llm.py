@@ -11,17 +11,14 @@ from tqdm.auto import tqdm
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from jaxpaged.config import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine import LLMEngine
+from jaxpaged.prompts import PromptInput, parse_prompts
 from jaxpaged.request import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.tokenizer import Tokenizer
 
-PromptInput = str | Sequence[int] | dict
-"""A prompt: text, token ids, or vLLM's prompt dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with an
-optional ``"cache_salt"`` (only requests with the same salt share prefix-cache blocks)."""
 Conversation = list[dict[str, str]]
 _FAILED_SCORE = float("-inf")
 """The score of a beam whose search failed in the engine (finish reason "error"): below any real beam's."""
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class LLM:
@@ -56,7 +53,7 @@ class LLM:
         Every prompt is validated before any runs: one bad prompt raises ``ValueError``
         and nothing is generated.
         """
-        prompts, salts = self._prompt_list(prompts)
+        prompts = parse_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -66,8 +63,8 @@ class LLM:
                                  "give one, or one per prompt.")
         # Only the final outputs are returned: the engine builds no per-step outputs (vLLM does the same).
         final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params}
-        reqs = [self.engine.make_request(f"llm-{next(self._ids)}", p, final[id(sp)], cache_salt=salt)
-                for p, sp, salt in zip(prompts, params, salts)]
+        reqs = [self.engine.make_request(f"llm-{next(self._ids)}", p.prompt, final[id(sp)], cache_salt=p.cache_salt)
+                for p, sp in zip(prompts, params)]
         added = []
         try:
             for r in reqs:
@@ -79,41 +76,18 @@ class LLM:
             raise
         return self._run(reqs, use_tqdm)
 
-    @staticmethod
-    def _prompt_list(prompts) -> tuple[list[str | Sequence[int]], list[str | None]]:
-        """The prompts (text or token ids) and their prefix-cache salts; ``ValueError`` for a prompt dict
-        with a key it does not know, or with both or neither of text and token ids."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        texts, salts = [], []
-        for i, p in enumerate(prompts):
-            salt = None
-            if isinstance(p, dict):
-                unknown = sorted(set(p) - PROMPT_KEYS)
-                if unknown:
-                    raise ValueError(f"prompt {i}: unknown key(s) {unknown}; a prompt dict takes "
-                                     f"{sorted(PROMPT_KEYS)}.")
-                if ("prompt" in p) == ("prompt_token_ids" in p):
-                    raise ValueError(f"prompt {i}: give exactly one of 'prompt' (text) and 'prompt_token_ids'.")
-                salt = p.get("cache_salt")          # checked by LLMEngine.make_request, as every request's
-                p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
-            texts.append(p)
-            salts.append(salt)
-        return texts, salts
-
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's ``LLM.beam_search``), with transformers' semantics for
         ``length_penalty`` and ``early_stopping``: one ``BeamSearchOutput`` per prompt, in order, each
         with ``beam_width`` sequences, best score first. Prompts are strings, token-id lists, or
         dicts with ``prompt`` / ``prompt_token_ids`` (and ``cache_salt``). The beams of a prompt share its KV blocks."""
-        prompts, salts = self._prompt_list(prompts)
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        prompts = parse_prompts(prompts)
         added = []
         try:
-            for rid, p, salt in zip(ids, prompts, salts):
-                added.append(self.engine.add_beam_search_request(rid, p, params, cache_salt=salt))
+            for p in prompts:
+                added.append(self.engine.add_beam_search_request(f"llm-{next(self._ids)}", p.prompt, params,
+                                                                 cache_salt=p.cache_salt))
         except ValueError:
             for r in added:
                 self.engine.abort_request(r.request_id)

@@ -60,7 +60,7 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._stream.events.aclose()
-            self._stream.close()
+            await self._stream.close()
 
 
 class BodySizeLimit:
@@ -277,7 +277,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     @app.get("/health")
     async def health() -> Response:
         """200 while the engine runs; 503 once it has died (restart the server)."""
-        if not engine.is_alive:
+        if not engine.is_running:
             raise APIError(503, "The engine is dead.", type="server_error", code="engine_dead")
         return Response(status_code=200)
 

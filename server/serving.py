@@ -17,6 +17,7 @@ they are being tokenized or queued. ``ServerLimits`` bounds what one request may
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -177,7 +178,7 @@ class EventStream:
     however it ends (even before the first event): aborts and records what is unfinished."""
 
     events: AsyncGenerator[str, None]
-    close: Callable[[], None]
+    close: Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class OpenAIServing:
                                         "prompt")
         job = await self._submit(request_id, requests, sp)
         if body.stream:
-            return EventStream(self._completion_events(job, body), lambda: self._end(job))
+            return EventStream(self._completion_events(job, body), functools.partial(self._end, job))
         await self._collect(job)
         choices = []
         for i in range(len(job.streams)):
@@ -364,7 +365,7 @@ class OpenAIServing:
         requests = await self._off_loop(_text_size(body.messages), make)
         job = await self._submit(request_id, requests, sp)
         if body.stream:
-            return EventStream(self._chat_events(job, body), lambda: self._end(job))
+            return EventStream(self._chat_events(job, body), functools.partial(self._end, job))
         await self._collect(job)
         choices = []
         for j, c in enumerate(job.finals[0].outputs):
@@ -562,16 +563,16 @@ class OpenAIServing:
         finally:
             for fut in pending:
                 fut.cancel()
-            self._end(job)
+            await self._end(job)
 
-    def _end(self, job: _Job) -> None:
+    async def _end(self, job: _Job) -> None:
         """Abort the job's unfinished engine requests, all in one command, then log and count each
         one (once)."""
         if job.ended:
             return
         job.ended = True
         self._jobs.discard(job)
-        self.engine.abort(s.request_id for s in job.streams if not s.finished)
+        await self.engine.abort(s.request_id for s in job.streams if not s.finished)
         for stream in job.streams:
             self._log_end(stream, job.arrival_time)
 

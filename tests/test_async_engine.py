@@ -276,7 +276,7 @@ def test_engine_error_kills_engine_and_fails_streams(llm_engine):
         with pytest.raises(EngineDeadError, match="RuntimeError"):
             async for _ in stream:
                 pass
-        assert not engine.is_alive and not engine.stats.alive
+        assert not engine.is_running and engine.errored and not engine.stats.alive
         with pytest.raises(EngineDeadError):
             await engine.add_request(engine.make_request("after", [5, 6, 7], GREEDY))
 
@@ -328,7 +328,7 @@ def test_add_requests_queues_all_prompts_in_one_command_or_none(llm_engine):
         with pytest.raises(ValueError, match="already in use"):
             await engine.add_requests(bad)
         assert llm_engine.scheduler.get_request("ok") is None
-        engine.abort(["first", *(s.request_id for s in streams)])
+        await engine.abort(["first", *(s.request_id for s in streams)])
         await wait_for(lambda: engine.stats.num_running == engine.stats.num_waiting == 0)
         for stream in [running, *streams]:
             async for _ in stream:                   # closed without a finished output
@@ -341,3 +341,91 @@ def test_add_requests_queues_all_prompts_in_one_command_or_none(llm_engine):
         gated.gate.set()
         engine.shutdown()
     assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
+
+
+# ---- vLLM's async API: generate / abort / is_running, as vLLM users write them ---------------------------------
+
+
+def test_vllm_generate_api_matches_hf(tiny):
+    """``from jaxpaged import AsyncLLMEngine, AsyncEngineArgs`` and ``async for out in engine.generate(...)``
+    over concurrent requests: text, token-id and prompt-dict prompts give transformers' greedy tokens."""
+    from jaxpaged import AsyncEngineArgs, AsyncLLMEngine as PublicAsyncLLMEngine
+
+    engine = PublicAsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny[0]), max_waiting_requests=7,
+                                                                   max_queue_time=30.0, **ENGINE_ARGS))
+    prompts = {"ids": [5, 6, 7, 8], "dict": {"prompt_token_ids": [40, 41]}, "text": "hello there"}
+
+    async def run(request_id, prompt):
+        outs = [out async for out in engine.generate(prompt, GREEDY, request_id)]
+        return outs
+
+    async def main():
+        return await asyncio.gather(*(run(rid, p) for rid, p in prompts.items()))
+
+    try:
+        assert engine.is_running and not engine.errored and engine.dead_error is None
+        assert (engine.max_waiting_requests, engine.max_queue_time) == (7, 30.0)
+        results = asyncio.run(main())
+        assert asyncio.run(engine.get_tokenizer()) is engine.tokenizer
+    finally:
+        engine.shutdown()
+    text_ids = engine.tokenizer.encode(prompts["text"])
+    for (rid, outs), ids in zip(zip(prompts, results), [[5, 6, 7, 8], [40, 41], text_ids]):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1]), rid
+        assert outs[-1].prompt_token_ids == ids
+        assert outs[-1].outputs[0].token_ids == hf_greedy(tiny[1], ids, 8)[0], rid
+    assert not engine.is_running and engine.errored
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(engine.check_health())
+
+
+def test_generate_aborts_when_left_cancelled_or_aborted(engine, llm_engine):
+    """Breaking out of ``generate``, cancelling the task that iterates it, and ``await engine.abort(id)``
+    each end the request and free its blocks; ``abort`` ends the iteration without a finished output."""
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    all_free = lambda: (engine.stats.num_running == engine.stats.num_waiting == 0       # noqa: E731
+                        and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+
+    async def consume(request_id, seen: list):
+        async for out in engine.generate([5, 6, 7], long, request_id):
+            seen.append(out)
+
+    async def main():
+        async for out in engine.generate([3, 4, 5], long, "left"):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await wait_for(all_free)
+
+        seen: list = []
+        task = asyncio.ensure_future(consume("cancelled", seen))
+        await wait_for(lambda: len(seen) >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_for(all_free)
+
+        aborted: list = []
+        task = asyncio.ensure_future(consume("aborted", aborted))
+        await wait_for(lambda: len(aborted) >= 2)
+        await engine.abort("aborted")
+        await asyncio.wait_for(task, timeout=30)
+        await wait_for(all_free)
+        return out, seen, aborted
+
+    left, cancelled, aborted = asyncio.run(main())
+    assert not left.finished and len(left.outputs[0].token_ids) >= 3
+    assert cancelled and not cancelled[-1].finished
+    assert aborted and not aborted[-1].finished and len(aborted[-1].outputs[0].token_ids) < 200
+
+
+def test_generate_refuses_a_bad_prompt_at_once(engine):
+    async def main():
+        with pytest.raises(ValueError, match="exactly one of"):
+            async for _ in engine.generate({"prompt": "a", "prompt_token_ids": [1]}, GREEDY, "bad"):
+                pass
+        with pytest.raises(ValueError, match="unknown key"):
+            async for _ in engine.generate({"text": "a"}, GREEDY, "bad"):
+                pass
+
+    asyncio.run(main())
+    assert engine.stats.num_waiting == 0
