@@ -11,9 +11,11 @@ from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from jaxpaged.config import AsyncEngineArgs, EngineArgs
 from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.structured_outputs_params import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams", "RequestOutput",
-           "RequestOutputKind", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "RequestOutputKind", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

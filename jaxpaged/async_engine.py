@@ -36,6 +36,7 @@ from jaxpaged.generation_config import GenerationDefaults
 from jaxpaged.prompts import PromptInput, parse_prompt
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.step_stats import StepStats
 
 if TYPE_CHECKING:                   # the engine pulls in JAX; importing this module should not
     from jaxpaged.engine import LLMEngine
@@ -76,6 +77,10 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache so far."""
     prefix_cache_hits: int
     """Of those, tokens found cached (not recomputed)."""
+    num_preemptions: int
+    """Preemptions so far (a request preempted twice counts twice)."""
+    steps: StepStats
+    """The steps' histograms so far."""
     alive: bool
 
 
@@ -436,7 +441,8 @@ class AsyncLLMEngine:
                            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
                            num_usable_blocks=self.engine.cache_info.num_usable_blocks,
                            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-                           alive=self._error is None)
+                           num_preemptions=self.engine.scheduler.num_preemptions,
+                           steps=self.engine.step_stats.copy(), alive=self._error is None)
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -120,6 +120,9 @@ def _finish_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
     _finish_engine_args(parser, ns)
     if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
         parser.error("argument --ssl-keyfile/--ssl-certfile: HTTPS needs both, the key and its certificate.")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        parser.error("argument --enable-auto-tool-choice: needs --tool-call-parser, to read the calls in the "
+                     "model's text.")
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -233,7 +236,8 @@ def _serve(ns: argparse.Namespace) -> int:
         limits = ServerLimits(ns.max_request_body_bytes, ns.max_seqs_per_request, ns.max_tokens_per_request)
         app = build_app(engine, ns.served_model_name or [args.model], api_key=ns.api_key, log_prompts=ns.log_prompts,
                         log_requests=ns.log_requests, max_log_len=ns.max_log_len, chat_template=ns.chat_template,
-                        cors=cors, limits=limits)
+                        cors=cors, limits=limits, also_jaxpaged_metric_names=ns.also_jaxpaged_metric_names,
+                        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None)
         # What is loaded by now (JAX, transformers, the model, the app) lives as long as the server: out of
         # the cyclic collector's reach, a full collection walks only what serving allocates, instead of
         # stalling every stream for ~0.3 s over half a million objects.
@@ -271,6 +275,7 @@ _CHAT_TEMPLATE_HELP = ("Jinja chat template used instead of the tokenizer's: a f
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS
     from jaxpaged.server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServerLimits
+    from jaxpaged.server.tool_parsers import TOOL_PARSERS
 
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="The model, as in `vllm serve MODEL` (or --model; both: the same one).")
@@ -283,6 +288,16 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="Names clients may use for the model; responses and /metrics report the first, "
                             "/v1/models lists them all (default: the model argument).")
     serve.add_argument("--chat-template", type=load_chat_template, default=None, help=_CHAT_TEMPLATE_HELP)
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Let the model decide whether to call tools (tool_choice "auto", the default when a request '
+                            'gives tools): --tool-call-parser then finds the calls in its text. Without it such '
+                            'requests get 400; "required" and named functions work either way.')
+    serve.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                       help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
+                            "SmolLM, Hermes) or llama3_json (Llama 3.1+ JSON calls; llama4_json is the same).")
+    serve.add_argument("--also-jaxpaged-metric-names", action="store_true",
+                       help="/metrics names its metrics as vLLM does (vllm:*), so that vLLM's dashboards work; this "
+                            "also exposes each under jaxpaged:* (the prefix jaxpaged used before).")
     limits = serve.add_argument_group("limits (what one request may take; past them: 400, 413 or 503)")
     limits.add_argument("--max-waiting-requests", type=_int_at_least(1), default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="Queued requests (prompts) beyond this are refused with 503 + Retry-After instead of "

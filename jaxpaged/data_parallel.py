@@ -29,6 +29,7 @@ from jaxpaged.engine import LLMEngine
 from jaxpaged.kv_cache_manager import PrefixCacheStats, SharingStats, hash_block, root_hash
 from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Router:
 
 @dataclass(frozen=True)
 class _CacheTotals:
+    num_blocks: int
     num_usable_blocks: int
     num_tokens: int
     block_size: int
@@ -113,6 +115,10 @@ class _SchedulerTotals:
     def num_waiting(self) -> int:
         return sum(s.num_waiting for s in self._schedulers)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self._schedulers)
+
 
 class DataParallelEngine:
     """``LLMEngine``'s public API over ``data_parallel_size`` replicas (see the module doc)."""
@@ -134,7 +140,8 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.kv_cache_manager = _KVTotals(self.replicas)
         self.scheduler = _SchedulerTotals(self.replicas)
-        self.cache_info = _CacheTotals(sum(e.cache_info.num_usable_blocks for e in self.replicas),
+        self.cache_info = _CacheTotals(sum(e.cache_info.num_blocks for e in self.replicas),
+                                       sum(e.cache_info.num_usable_blocks for e in self.replicas),
                                        sum(e.cache_info.num_tokens for e in self.replicas), first.cache_info.block_size)
         self.router = Router(len(self.replicas), cc.block_size if cc.enable_prefix_caching else None,
                              slack=config.scheduler.max_num_seqs)
@@ -197,6 +204,11 @@ class DataParallelEngine:
 
     def sharing_stats(self) -> SharingStats:
         return self.kv_cache_manager.sharing_stats()
+
+    @property
+    def step_stats(self) -> StepStats:
+        """The replicas' steps together (a new record)."""
+        return sum((e.step_stats for e in self.replicas), StepStats())
 
     def memory_per_device(self) -> dict[Any, parallel.DeviceMemory]:
         """Every replica's devices (disjoint) with their parameter and KV bytes."""

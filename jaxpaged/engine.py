@@ -7,7 +7,7 @@ launched, runs on the device: ``step()`` returns the outputs of the step before 
 launched. The scheduler counts tokens in flight as known (output placeholders) and the model
 reads them on the device; a request that stops on a token of step k has computed one token
 too many in step k+1, which is dropped. Steps whose inputs need the previous step's tokens on
-the host (penalties, beam search) run synchronously.
+the host (penalties, structured outputs, beam search) run synchronously.
 Every input is validated in ``add_request`` before anything is queued, so a bad request
 leaves the engine and the other requests untouched. A failure in one request's own work during a
 step (its sampling row or lists, its detokenizing, stop checks or output) ends that request with
@@ -21,6 +21,14 @@ tokens from the same logits with their own seeds. Beam search (``add_beam_search
 keeps a ``BeamSearchState`` per prompt: each step every live beam's top-2k logprobs come
 from the sampler, and once all beams of the prompt have theirs the engine selects the next
 beams, forking the sequences that continue more than once and freeing those that end.
+
+Structured outputs: each sample of a constrained request has a grammar matcher
+(``Request.grammar``, compiled and cached by ``GrammarCompiler``) that takes each of its tokens
+as it is appended; the runner fills the sample's row of the step's token bitmask from it. A
+constrained row must not run ahead of its matcher, so its steps run synchronously and one
+decode step at a time (it never joins a multi-step group). A sample whose grammar is complete
+ends with "stop"; one whose grammar refuses its token, or is complete before ``min_tokens``, is
+at a dead end and ends with "error" (vLLM's ``FINISHED_ERROR``).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ from jaxpaged.model_runner import LaunchedStep, ModelRunner, StepOutput
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus, TokenLogprobs
 from jaxpaged.sampling_params import ParamError, RequestOutputKind, SamplingParams, excerpt, is_unicode
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.step_stats import StepStats
+from jaxpaged.structured_outputs import GrammarCompiler
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.weights import load_checkpoint
 from jaxpaged.models.registry import build_model
@@ -220,12 +230,19 @@ class LLMEngine:
         """Beam search request id -> its state; ``_beam_of`` maps each live beam's id to it."""
         self._beam_of: dict[str, _BeamSearch] = {}
         self._token_text: dict[int, str] = {}
+        eos_ids = [self.tokenizer.eos_token_id, *self.generation_defaults.eos_token_ids]
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, [t for t in eos_ids if t is not None])
+        """Structured outputs' grammars for this model's tokenizer (EOS and the generation config's end them)."""
         self.async_scheduling = config.async_scheduling
         self._in_flight: _InFlight | None = None
         self._failed: list[RequestOutput] = []
         """The last outputs of requests that failed (``_fail``), for ``step`` to return."""
         self._num_synchronous = 0
         """Live requests whose steps need the previous step's tokens on the host (penalties)."""
+        self.step_stats = StepStats()
+        """What the steps so far computed, and the gaps between output tokens (``/metrics`` reads it)."""
+        self._last_take_in: float | None = None
+        """When the previous step's samples were taken in (``_record_step``)."""
         self.load_time = time.perf_counter() - t0
         t0 = time.perf_counter()
         num_precompiled = self.runner.precompile(num_steps=sc.num_scheduler_steps) if config.precompile else 0
@@ -296,11 +313,15 @@ class LLMEngine:
         if too_big:
             raise ValueError(f"stop_token_ids and logit_bias keys must be token ids in [0, {self.vocab_size}); "
                              f"got {too_big[:5]}.")
+        so = sp.structured_outputs
+        # One matcher per sample; an invalid grammar raises here, before anything is queued.
+        grammars = [None] * sp.best_of if so is None else [self.grammars.matcher(so) for _ in range(sp.best_of)]
         seed = (sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)) & _SEED_MASK
         arrival = arrival_time if arrival_time is not None else time.time()
         eos = self.tokenizer.eos_token_id
         sp = self._with_model_eos(sp, eos)
-        stop_ids = None if sp.stop else frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
+        # Stop strings and grammars read every token: no fast path passes over it.
+        stop_ids = None if sp.stop or so else frozenset([*sp.stop_token_ids, *([] if eos is None else [eos])])
         final = sp.output_kind is RequestOutputKind.FINAL_ONLY
         samples = [Request(request_id=request_id if i == 0 else f"{i}_{request_id}", prompt_token_ids=ids,
                            sampling_params=sp, max_tokens=max_tokens, seed=_sample_seed(seed, i),
@@ -309,7 +330,7 @@ class LLMEngine:
                            cache_salt=cache_salt, prompt=text,
                            arrival_time=arrival,
                            sample_index=i, priority=priority,
-                           output_top_logprobs=[] if sp.logprobs is not None else None,
+                           output_top_logprobs=[] if sp.logprobs is not None else None, grammar=grammars[i],
                            prompt_logprobs=[None] if i == 0 and sp.prompt_logprobs is not None else None)
                    for i in range(sp.best_of)]
         samples[0].forks = samples[1:]
@@ -364,7 +385,7 @@ class LLMEngine:
             for req in reqs:
                 req.pending_forks, req.reserved_seqs = (), 0
             raise
-        self._num_synchronous += sum(req.sampling_params.needs_penalties for req in reqs)
+        self._num_synchronous += sum(req.sampling_params.needs_host_tokens for req in reqs)
         for (req, r), d in zip(members, detokenizers):
             self._detokenizers[r.request_id] = d
             self._groups[r.request_id] = req
@@ -395,7 +416,7 @@ class LLMEngine:
     def _forget(self, parent: Request) -> None:
         """Drop the per-sample state of a request that finished or was aborted."""
         if parent.request_id in self._groups:
-            self._num_synchronous -= parent.sampling_params.needs_penalties
+            self._num_synchronous -= parent.sampling_params.needs_host_tokens
         for r in [parent, *parent.forks]:
             self._detokenizers.pop(r.request_id, None)
             self._groups.pop(r.request_id, None)
@@ -547,14 +568,15 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         searches: dict[str, _BeamSearch] = {}
         if out.num_steps > 1:
-            self._append_steps(out, res.sampled, now, touched, searches)
+            num_first_or_dropped = self._append_steps(out, res.sampled, now, touched, searches)
         else:
             # Rows that sample: requests whose step reached their last known token, then the forks.
             R = len(out.requests)
             rows = itertools.compress(enumerate(out.requests), out.samples)
             if out.forks:
                 rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
-            self._append_samples(rows, res.sampled, now, touched, searches)
+            num_first_or_dropped = self._append_samples(rows, res.sampled, now, touched, searches)
+        self._record_step(out, now, num_first_or_dropped)
         outputs = []
         for parent in touched.values():
             if parent.request_id not in self._groups:
@@ -581,12 +603,14 @@ class LLMEngine:
         return outputs
 
     def _append_steps(self, out: SchedulerOutput, sampled, now: float, touched: dict[str, Request],
-                      searches: dict[str, "_BeamSearch"]) -> None:
+                      searches: dict[str, "_BeamSearch"]) -> int:
         """A multi-step batch's samples (``[num_steps, rows]`` arrays), row by row. A row with no stop
         strings (``final_stop_ids`` or ``stream_stop_ids``) and no logprobs in the batch, none of whose
         tokens ends it, takes them all at once (a streamed one: detokenized at once, as one delta);
-        the others go token by token through ``_append_samples``."""
+        the others go token by token through ``_append_samples``. Returns how many tokens were a
+        sample's first, or were dropped (as ``_append_samples``)."""
         k = out.num_steps
+        num_first = 0
         plain = sampled.logprobs.size == 0
         columns = sampled.tokens.T.tolist()
         rest = []
@@ -599,6 +623,7 @@ class LLMEngine:
                 if len(ids) + n < req.max_tokens and stops.isdisjoint(new):
                     if not ids:
                         req.first_token_time = now
+                        num_first += 1
                     ids += new
                     req.num_output_placeholders -= n
                     if stream is not None:
@@ -611,19 +636,25 @@ class LLMEngine:
         if rest:
             # Row-major: entry j * k + t is row j's sample of step t.
             flat = jax.tree_util.tree_map(lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), sampled)
-            self._append_samples(((i, out.requests[i // k]) for i in rest), flat, now, touched, searches)
+            return num_first + self._append_samples(((i, out.requests[i // k]) for i in rest), flat, now, touched,
+                                                    searches)
+        return num_first
 
     def _append_samples(self, rows, sampled, now: float, touched: dict[str, Request],
-                        searches: dict[str, "_BeamSearch"]) -> None:
+                        searches: dict[str, "_BeamSearch"]) -> int:
         """Append one step's sampled token to each ``(row, request)`` of ``rows`` and check its stops;
-        the groups with something to report go to ``touched``, the beam searches to ``searches``."""
+        the groups with something to report go to ``touched``, the beam searches to ``searches``.
+        Returns how many of the tokens were a sample's first or were dropped (counted in these rare
+        branches, so that ``_record_step`` knows the decode tokens without a count per row)."""
         tokens, logprobs = sampled.tokens.tolist(), sampled.logprobs.tolist()
         beam_of, running = self._beam_of, RequestStatus.RUNNING
+        num_first_or_dropped = 0
         for i, req in rows:
             req.num_output_placeholders -= 1
             # Aborted (or stopped) while this step ran: its token is dropped. The identity test first:
             # a property call per row costs ~0.2 us, 50 us a step at 256 rows (measured).
             if req.status is not running and req.is_finished:
+                num_first_or_dropped += 1
                 continue
             try:                            # one request's failure is its own (``_fail``), not the step's
                 if beam_of:
@@ -638,8 +669,11 @@ class LLMEngine:
                 ids = req.output_token_ids
                 if not ids:
                     req.first_token_time = now
+                    num_first_or_dropped += 1
                 token, sp = tokens[i], req.sampling_params
                 ids.append(token)
+                if req.grammar is not None:
+                    req.grammar.accept(token)           # its verdict is read by ``_stop_status``
                 if logprobs and sp.needs_logprobs:
                     req.output_logprobs.append(logprobs[i])
                 if req.output_top_logprobs is not None:
@@ -665,6 +699,20 @@ class LLMEngine:
                 touched[parent.request_id] = parent
             except Exception as e:
                 self._fail(req.request_id, e)
+        return num_first_or_dropped
+
+    def _record_step(self, out: SchedulerOutput, now: float, num_first_or_dropped: int) -> None:
+        """Count the tokens the step computed, and the gap before each decode token it sampled: the time
+        since the previous step's take-in, when every sample that ran in that step took its previous
+        token (one that sat out steps, as after a preemption, waited longer than counted), shared
+        evenly by a multi-step batch's steps."""
+        stats = self.step_stats
+        stats.iteration_tokens.observe(out.total_num_tokens)
+        sampled = out.total_num_tokens if out.num_steps > 1 else out.samples.count(True) + len(out.forks)
+        num_decode = sampled - num_first_or_dropped
+        if num_decode > 0 and self._last_take_in is not None:
+            stats.inter_token_latency.observe((now - self._last_take_in) / out.num_steps, num_decode)
+        self._last_take_in = now
 
     def _passed(self, req: Request, new: Sequence[int], touched: dict[str, Request]) -> None:
         """Take in ``new``, tokens just appended to a streamed sample with no stop strings
@@ -724,9 +772,14 @@ class LLMEngine:
 
     @staticmethod
     def _stop_status(req: Request, text: str, before: int) -> RequestStatus | None:
-        """vLLM's stop rules, in its order; ``text[before:]`` is the new token's text."""
+        """vLLM's stop rules, in its order; ``text[before:]`` is the new token's text. A constrained
+        sample at a dead end (the module docstring) ends first; one whose grammar is complete
+        after the other rules."""
         sp, ids = req.sampling_params, req.output_token_ids
         num_outputs, token = len(ids), ids[-1]
+        grammar = req.grammar
+        if grammar is not None and (grammar.error is not None or (grammar.complete and num_outputs < sp.min_tokens)):
+            return RequestStatus.FINISHED_ERROR
         if num_outputs < sp.min_tokens:
             return None
         eos = token == req.eos_token_id and not sp.ignore_eos
@@ -741,6 +794,8 @@ class LLMEngine:
             at, stop = min(hits, key=lambda h: h[0])
             req.stop_reason = stop
             req.output_text_end = at + len(stop) if sp.include_stop_str_in_output else at
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.complete:
             return RequestStatus.FINISHED_STOPPED
         if num_outputs >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -778,7 +833,7 @@ class LLMEngine:
             return None
         if sp.best_of > sp.n:
             samples = sorted(samples, key=lambda r: r.cumulative_logprob, reverse=True)[:sp.n]
-        metrics = {"arrival_time": parent.arrival_time}
+        metrics = {"arrival_time": parent.arrival_time, "first_scheduled_time": parent.first_scheduled_time}
         first = (parent.first_token_time if not forks else
                  min((t for r in samples if (t := r.first_token_time) is not None), default=None))
         if first is not None:

@@ -36,6 +36,7 @@ from jaxpaged.sampler import (SamplerFlags, SamplerOutput, SamplingTensors, argm
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence_slots import SequenceSlots
+from jaxpaged.structured_outputs import fill_bitmask
 from jaxpaged.models.registry import BuiltModel
 from jaxpaged.kernels import AttentionMetadata, PAD_SLOT, build_prefill_tiles, copy_blocks, gathers_pages
 from jaxpaged.kernels.kv_ops import gather_blocks, scatter_blocks
@@ -506,6 +507,7 @@ class ModelRunner:
         self.gathers_pages = gathers_pages(model.module.attention_backend)
         self.max_rows = _bucket(max_num_seqs, 1 << 30)
         s = model.shape
+        self.vocab_size = s.vocab_size
         kv_shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
         self.kv_pages = (jnp.zeros(kv_shape, dtype) if mesh is None else
                          parallel.zeros(kv_shape, dtype, parallel.kv_sharding(mesh)))
@@ -514,7 +516,7 @@ class ModelRunner:
         self.host_pages = np.zeros((s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads, s.head_dim),
                                    self.kv_pages.dtype)
         # A step runs at most ``max_rows`` sequences: the device block tables have a row for each.
-        self.slots = SequenceSlots(self.max_blocks_per_seq, num_device_rows=self.max_rows, vocab_size=s.vocab_size)
+        self.slots = SequenceSlots(self.max_blocks_per_seq, num_device_rows=self.max_rows, vocab_size=self.vocab_size)
         table_shape = (self.max_rows, self.max_blocks_per_seq)
         self._tables = (jnp.zeros(table_shape, jnp.int32) if mesh is None else
                         parallel.zeros(table_shape, jnp.int32, parallel.replicated(mesh)))
@@ -797,12 +799,14 @@ class ModelRunner:
     def _sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
                           prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
         """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
-        (built only for the sequences that have them), and the flags of the batch. A sequence whose
-        lists fail to build goes to ``SequenceSlots.failed`` (one request's failure, not the step's)."""
+        and the grammar bitmask (built only for the sequences that have them), and the flags of the
+        batch. A sequence whose lists fail to build goes to ``SequenceSlots.failed`` (one request's
+        failure, not the step's)."""
         st = self.slots
         f32 = np.float32
         pen_rows, pen_tokens, pen_counts = [], [], []
         bias_rows, bias_tokens, bias_values = [], [], []
+        constrained = []
         for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
             r = seqs[i]
             try:
@@ -810,6 +814,8 @@ class ModelRunner:
             except Exception as e:      # this request's failure: its row runs without its lists
                 st.failed[r.request_id] = e
                 continue
+            if r.grammar is not None:
+                constrained.append((r.grammar, i))
             if penalties is not None:
                 tokens, counts = penalties
                 pen_rows.append(np.full(len(tokens), i, np.int32))
@@ -840,12 +846,14 @@ class ModelRunner:
             bias_rows=_padded(np.asarray(bias_rows, np.int32), Nb, S_b),
             bias_tokens=_padded(np.asarray(bias_tokens, np.int32), Nb, 0),
             bias_values=_padded(np.asarray(bias_values, f32), Nb, 0.0))
+        if constrained:
+            sampling.allowed = fill_bitmask(constrained, S_b, self.vocab_size)
         sampled = temperature > 0
         flags = SamplerFlags(
             all_greedy=not sampled.any(), penalties=bool(pen_rows), bias=bool(bias_rows),
             top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
             chosen_logprobs=bool(st.chosen_logprobs[slots].any()),
-            num_logprobs=-1 if width < 0 else _logprobs_width(width))
+            num_logprobs=-1 if width < 0 else _logprobs_width(width), bitmask=bool(constrained))
         return sampling, flags
 
     def launch(self, out: SchedulerOutput) -> LaunchedStep | None:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpaged.structured_outputs import GrammarMatcher
 
 
 @dataclass
@@ -155,6 +159,12 @@ class Request:
     """The scheduler's fair-queueing start tag (``Scheduler.add_requests``)."""
     queue_group: int = 0
     """Which API request it belongs to, for the scheduler (``Scheduler.add_requests``)."""
+    grammar: GrammarMatcher | None = None
+    """Structured outputs: this sample's grammar matcher, advanced by each token it takes in (never
+    by a recomputation after preemption: it follows ``output_token_ids``)."""
+    first_scheduled_time: float | None = None
+    """When the scheduler first admitted it (resuming after a preemption leaves it): its queueing ends
+    and its prefill begins there, as in vLLM's request metrics."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -247,6 +257,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    """Timestamps (``time.time()``, named as vLLM's v0 ``RequestMetrics``): ``arrival_time``;
+    ``first_scheduled_time`` and ``first_token_time`` once there is a token (a beam search's output and a
+    failed request's have neither); ``finished_time`` once finished."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Per prompt token (the first is None), when ``prompt_logprobs`` was asked for; with
     ``RequestOutputKind.DELTA`` only in a request's first output (as vLLM)."""

@@ -1,6 +1,7 @@
 """On-device sampling of one token per row, with per-row parameters and no Python loop.
 
-The pipeline follows vLLM: raw logprobs are taken first; then ``logit_bias`` and the
+The pipeline follows vLLM: raw logprobs are taken first; then the grammar bitmask of
+constrained rows (structured outputs: disallowed tokens to -inf), ``logit_bias`` and the
 ``min_tokens`` mask (one sparse scatter), the repetition / frequency / presence penalties
 (token counts scattered on device from a compact list of (row, token) pairs), greedy
 argmax; for sampled rows temperature, ``min_p``, ``top_k`` and ``top_p``, and a draw.
@@ -23,10 +24,11 @@ program, so a new combination of flags never recompiles the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CANDIDATES = 64
 """Largest logits per row examined for top-k/top-p before falling back to bisection."""
@@ -48,6 +50,8 @@ class SamplerFlags:
     """Some row wants its sampled token's logprob (a full-vocabulary logsumexp per row)."""
     num_logprobs: int = -1
     """-1: no row wants top logprobs; else how many to compute per row (implies ``chosen_logprobs``)."""
+    bitmask: bool = False
+    """Some row is constrained by a grammar: ``SamplingTensors.allowed`` masks the logits first."""
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +80,9 @@ class SamplingTensors:
     bias_rows: jax.Array           # [Nb] int32
     bias_tokens: jax.Array         # [Nb] int32
     bias_values: jax.Array         # [Nb] f32 (-inf masks a token)
+    allowed: jax.Array = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    """[R, ceil(V / 32)] int32 with ``SamplerFlags.bitmask``: bit ``t % 32`` of word ``t // 32`` set where
+    token ``t`` is allowed (all set on unconstrained rows; none past V), llguidance's packed layout; else [0, 0]."""
 
 
 @jax.tree_util.register_dataclass
@@ -339,9 +346,22 @@ def _top_logprobs(raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
     return _on_rows(counted, ~in_top, from_top, raw, chosen_logit), ids.astype(jnp.int32), vals - lse[:, None]
 
 
+def _apply_bitmask(x: jax.Array, words: jax.Array) -> jax.Array:
+    """``x`` with -inf where the packed bitmask ``words`` ([R, ceil(V / 32)] int32, 0 bits past V) has a 0
+    bit. A row that allows no token (a grammar's dead end) is left whole: it samples a token of the
+    vocabulary, which its grammar then refuses."""
+    R, V = x.shape
+    allowed = ((words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1).reshape(R, -1)[:, :V] != 0
+    dead = ~(words != 0).any(-1, keepdims=True)           # from the words: a pass over [R, V] fewer
+    return jnp.where(allowed | dead, x, -jnp.inf)
+
+
 def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> jax.Array:
-    """Logit bias and the min_tokens mask, then penalties: the logits greedy rows take the argmax of."""
+    """The grammar bitmask, logit bias and the min_tokens mask, then penalties: the logits greedy rows
+    take the argmax of."""
     x = logits
+    if flags.bitmask:
+        x = _apply_bitmask(x, st.allowed)
     if flags.bias:
         x = x.at[st.bias_rows, st.bias_tokens].add(st.bias_values, mode="drop")
     if flags.penalties:

@@ -18,6 +18,10 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxpaged.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,9 @@ class SamplingParams:
     the ``n`` of ``best_of`` samples (default ``n``) with the highest cumulative logprob.
     The order of logit processing is vLLM's: ``logit_bias`` and the ``min_tokens`` mask,
     then the repetition, frequency and presence penalties (greedy picks the argmax here),
-    then temperature, ``min_p``, ``top_k`` and ``top_p``. Returned logprobs are those of the
-    raw model distribution.
+    then temperature, ``min_p``, ``top_k`` and ``top_p``; ``structured_outputs`` masks the tokens
+    its grammar does not allow before all of these. Returned logprobs are those of the raw model
+    distribution.
     """
 
     n: int = 1
@@ -120,6 +125,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -204,6 +210,10 @@ class SamplingParams:
             v = getattr(self, name)
             need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
                  f"None or an integer in [0, {MAX_LOGPROBS}]")
+        # Imported here: that module raises this module's ParamError.
+        from jaxpaged.structured_outputs_params import StructuredOutputsParams
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -221,6 +231,13 @@ class SamplingParams:
 
     @property
     def needs_step_lists(self) -> bool:
-        """Penalties, logit bias or min_tokens: the sampler's inputs for this request are lists
-        rebuilt each step from its tokens so far."""
-        return self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Penalties, logit bias, min_tokens or structured outputs: the sampler's inputs for this
+        request are rebuilt each step from its tokens so far."""
+        return (self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.structured_outputs is not None)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Penalties or structured outputs: a step's sampler inputs for this request depend on the
+        previous step's token, so the step needs it on the host (steps run synchronously)."""
+        return self.needs_penalties or self.structured_outputs is not None

@@ -44,6 +44,7 @@ its KV blocks are allocated up front, so the group needs no scheduling between i
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -388,6 +389,8 @@ class Scheduler:
             self._virtual_time = max(self._virtual_time, request.queue_tag)
             admitted = True
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             self.running.append(request)
             self._add_to_output(out, request, num_new, forked, request.num_tokens_with_placeholders)
             reserved += request.reserved_seqs          # what is left after forking this step

@@ -8,6 +8,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
 import tokenizers
 import tokenizers.decoders
 import transformers
@@ -172,10 +173,13 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                    chat_template: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> str:
         """``messages`` rendered as text (``apply_chat_template`` before tokenizing: the template writes
-        the special tokens, so the text is encoded without adding any). ``chat_template_kwargs`` may not
-        name ``apply_chat_template``'s own parameters (``ValueError``): they are template variables only."""
+        the special tokens, so the text is encoded without adding any), with ``tools`` (OpenAI's tool
+        definitions) for templates that declare them. ``chat_template_kwargs`` may not name
+        ``apply_chat_template``'s own parameters: they are template variables only. ``ValueError`` for
+        those, and for a template that fails on these messages (it raised, or met a value it cannot use)."""
         if not (chat_template or self.hf.chat_template):
             raise ValueError(
                 f"tokenizer {self.hf.name_or_path!r} has no chat template; send a plain prompt instead, "
@@ -185,8 +189,12 @@ class Tokenizer:
         reserved = sorted(variables.keys() & inspect.signature(self.hf.apply_chat_template).parameters.keys())
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are not template variables.")
-        return self.hf.apply_chat_template(messages, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt, tokenize=False, **variables)
+        try:
+            return self.hf.apply_chat_template(messages, chat_template=chat_template, tools=tools,
+                                               add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **variables)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
 
 class IncrementalDetokenizer:

@@ -37,6 +37,7 @@ from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                              TokenizerInfoResponse, TokenizeResponse, VersionResponse)
 from jaxpaged.server.serving import (ClientDisconnected, EventStream, OpenAIServing, RequestLog, ServerLimits,
                                      shutting_down_error)
+from jaxpaged.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -204,19 +205,24 @@ class CORSOptions:
 def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
               log_prompts: bool = False, *, log_requests: bool = True, max_log_len: int | None = None,
               chat_template: str | None = None, cors: CORSOptions = CORSOptions(),
-              limits: ServerLimits = ServerLimits()) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), also_jaxpaged_metric_names: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app serving ``engine`` under ``served_model_name`` (or several names: requests may use any,
     responses and metrics report the first); the caller owns the engine (starts it before serving,
     shuts it down after). ``log_requests``, ``log_prompts``, ``max_log_len``: see ``RequestLog``;
     ``chat_template``: Jinja text used instead of the tokenizer's; ``limits``: what one request may
-    take. ``app.state.serving`` is its ``OpenAIServing`` (``GracefulServer`` drains it)."""
+    take; ``also_jaxpaged_metric_names``: ``/metrics`` also names each ``vllm:`` metric ``jaxpaged:``
+    (``ServerMetrics``); ``tool_call_parser``: the parser (``tool_parsers.TOOL_PARSERS``) that finds tool calls
+    when a request leaves the choice to the model (None: such requests get 400, as in vLLM without
+    ``--enable-auto-tool-choice``). ``app.state.serving`` is its ``OpenAIServing`` (``GracefulServer`` drains it)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must give at least one name.")
     app = FastAPI(title="jaxpaged", summary="OpenAI-compatible LLM server on JAX")
-    metrics = ServerMetrics(engine, names[0])
+    metrics = ServerMetrics(engine, names[0], also_jaxpaged_metric_names)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     serving = OpenAIServing(engine, names, metrics, RequestLog(log_requests, log_prompts, max_log_len), chat_template,
-                            limits)
+                            limits, parser)
     app.state.serving = serving
     # Added first, so inside CORS: a 413 or 503 carries its headers, as a browser needs to read it.
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)

@@ -2,9 +2,8 @@
 
 Request models accept unknown fields, at any depth, and ignore them (vLLM's rule: clients such as
 guidellm and lm-eval send fields of their own); the app logs their names (``ignored_fields``). Fields
-of OpenAI's or vLLM's API that this server does not implement (``tools``, ``response_format`` other
-than text, guided decoding...) are refused with a 400 saying so, as ignoring them would answer
-something else than what was asked. Their types are strict, as OpenAI's schema is: an integer field takes
+of OpenAI's or vLLM's API that this server does not implement (``suffix``, the deprecated ``functions``)
+are refused with a 400 saying so, as ignoring them would answer something else than what was asked. Their types are strict, as OpenAI's schema is: an integer field takes
 no bool, float or string (``"n": true``, ``"seed": 1.0``), a number field no bool or string, a bool
 field only ``true``/``false`` (not ``"yes"``), and every string must be valid Unicode (a lone
 surrogate such as ``"\\ud800"`` cannot be tokenized or sent back as UTF-8). Sampling parameters keep
@@ -14,6 +13,7 @@ validated there (ranges, float32 and int32 limits).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -48,11 +48,6 @@ Bool = StrictBool
 def _refuse(value: Any, info: ValidationInfo) -> None:
     """Any value but null: this server does not implement the field, and ignoring it would answer another request."""
     raise ValueError(f"{info.field_name} is not supported by this server; leave it out.")
-
-
-def _text_format(value: Any, info: ValidationInfo) -> Any:
-    """``{"type": "text"}``, the default and so a no-op, is accepted; any other format is refused."""
-    return value if value == {"type": "text"} else _refuse(value, info)
 
 
 Unsupported = Annotated[Any, AfterValidator(_refuse)] | None
@@ -95,6 +90,51 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: Bool = Field(False, description="With include_usage, usage on every chunk (vLLM's).")
 
 
+class JSONSchemaFormat(RequestModel):
+    """OpenAI's ``response_format.json_schema``: the schema (``schema``) and its name."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema``; vLLM's ``structural_tag`` (``structures`` and ``triggers`` as in
+    ``StructuredOutputsParams.structural_tag``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JSONSchemaFormat | None = None
+    structures: list[dict[Text, Any]] | None = None
+    triggers: list[Text] | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format.json_schema is required with type "json_schema", and only with it.')
+        if (self.type == "structural_tag") != (self.structures is not None and self.triggers is not None):
+            raise ValueError('response_format.structures and .triggers are required with type "structural_tag", '
+                             'and only with it.')
+        return self
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` request field: ``StructuredOutputsParams``' fields, checked there."""
+
+    json_: Text | dict[Text, Any] | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: Bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: Bool = False
+    whitespace_pattern: Text | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -126,13 +166,14 @@ class SamplingRequest(RequestModel):
         None, description="Only requests with the same salt share prefix-cache blocks (vLLM's parameter).")
     priority: Int = Field(0, description="Lower runs sooner, with --scheduling-policy priority; else 0 "
                                          "(vLLM's parameter).")
-    # Known, not implemented (a 400 unless null):
-    response_format: Annotated[Any, AfterValidator(_text_format)] | None = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
-    guided_grammar: Unsupported = None
-    structured_outputs: Unsupported = None
+    # Structured outputs (``server.structured_requests`` turns them into one ``StructuredOutputsParams``):
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: Text | dict[Text, Any] | None = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -193,15 +234,82 @@ class TextContentPart(RequestModel):
     text: Text
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextContentPart]
-    name: Text | None = None
+class FunctionCall(RequestModel):
+    name: Text
+    arguments: Text = Field(description="The call's arguments: a JSON object, as text.")
 
-    def to_template_dict(self) -> dict[str, str]:
-        """The message as a chat template sees it (OpenAI's ``developer`` role is ``system``)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class ToolCall(RequestModel):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = Field(None, description="In a tool message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls.")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages hold tool_calls.")
+        return self
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it (OpenAI's ``developer`` role is ``system``); a tool call's
+        arguments as a dict (templates write them as JSON themselves, as vLLM passes them)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        # Null content (an assistant message that only calls tools) is "" to the template: simple templates
+        # concatenate it, tool-aware ones test it.
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        return message
+
+
+def _json_arguments(arguments: str) -> Any:
+    """A tool call's arguments, parsed (a template cannot iterate a string); kept as text if not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)]
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = Field(None, description="The arguments' JSON schema.")
+    strict: Bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -212,8 +320,10 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[Text, Any] | None = Field(None, description="Extra chat template variables (vLLM's).")
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default: "auto" with tools, else "none".')
+    parallel_tool_calls: Bool = True
     functions: Unsupported = None
     function_call: Unsupported = None
 
@@ -222,6 +332,30 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true.")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}"
+                             " needs tools.")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool is None:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in "
+                             f"tools ({', '.join(repr(t.function.name) for t in self.tools)}).")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """"none", "auto", "required" or "named": OpenAI's default is "auto" when tools are given."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def named_tool(self) -> Tool | None:
+        """The tool ``tool_choice`` names, if it names one that ``tools`` holds."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name == self.tool_choice.function.name), None)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -240,6 +374,7 @@ class TokenizeChatRequest(RequestModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[Text, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -300,9 +435,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -322,14 +469,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class _Delta(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler) -> dict:
         """A delta carries only what changed: ``{"role": ...}`` first, then ``{"content": ...}``."""
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Delta):
+    """A piece of a streamed tool call: its first delta holds ``id``, ``type`` and the function's name,
+    the next ones fragments of its arguments (concatenated, the whole arguments)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_Delta):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -34,14 +34,17 @@ from jaxpaged.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverlo
                                    RequestStream)
 from jaxpaged.request import CompletionOutput, Request, RequestOutput, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.server.chat_tools import ChoiceTools
 from jaxpaged.server.errors import APIError
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaMessage, DetokenizeRequest, ErrorResponse, SamplingRequest,
-                             TokenizeChatRequest, TokenizeCompletionRequest, TokenizerInfoResponse, TopLogprob,
+                             TokenizeChatRequest, TokenizeCompletionRequest, TokenizerInfoResponse, Tool, TopLogprob,
                              UsageInfo)
+from jaxpaged.server.structured_requests import constraint_field, structured_outputs_of
+from jaxpaged.server.tool_parsers import ToolParser
 from jaxpaged.tokenizer import GIL_HELD_CHARS
 
 logger = logging.getLogger("jaxpaged.server")
@@ -83,6 +86,15 @@ def _named_param(error: ValueError, body: SamplingRequest) -> str | None:
     of its message, the parameter's name."""
     name = getattr(error, "param", None) or str(error).split(" ", 1)[0]
     return name if name in type(body).model_fields else None
+
+
+def _joined(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMessage | None:
+    """One delta saying what ``first`` then ``second`` say."""
+    if first is None or second is None:
+        return first or second
+    content = None if first.content is None and second.content is None else \
+        (first.content or "") + (second.content or "")
+    return DeltaMessage(content=content, tool_calls=(first.tool_calls or []) + (second.tool_calls or []) or None)
 
 
 class ClientDisconnected(Exception):
@@ -199,13 +211,16 @@ class RequestLog:
 class OpenAIServing:
     """Completion and chat logic over one ``AsyncLLMEngine``; the app routes to it. ``model_names``: the
     names requests may use (vLLM's ``--served-model-name``); responses report the first.
-    ``chat_template``: Jinja text used instead of the tokenizer's template. Once ``draining`` is set
+    ``chat_template``: Jinja text used instead of the tokenizer's template. ``tool_parser``: finds tool
+    calls in the text of requests whose tool choice is "auto" (``--tool-call-parser``; None: such
+    requests are refused, as in vLLM without ``--enable-auto-tool-choice``). Once ``draining`` is set
     (shutdown), new requests are refused; ``num_in_flight`` counts those still being served."""
 
     def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], metrics: ServerMetrics,
                  log: RequestLog = RequestLog(), chat_template: str | None = None,
-                 limits: ServerLimits = ServerLimits()) -> None:
+                 limits: ServerLimits = ServerLimits(), tool_parser: type[ToolParser] | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser
         self.model_names = tuple(model_names)
         self.model_name = self.model_names[0]
         self.metrics = metrics
@@ -353,13 +368,21 @@ class OpenAIServing:
 
     async def _chat_completion(self, body: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         self.check_model(body.model)
+        if body.effective_tool_choice == "auto" and self.tool_parser is None:
+            raise APIError(400, '"auto" tool choice (the default with tools) needs the server started with '
+                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                                '"required" or a named function.', param="tool_choice")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sp = self._sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
+        # The tool parser reads tags that some tokenizers mark special, so they stay in the text (vLLM's rule).
+        keep_tags = body.effective_tool_choice == "auto" and body.skip_special_tokens is None
+        sp = self._sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
+                                   **({"skip_special_tokens": False} if keep_tags else {}))
         request_id = f"chatcmpl-{_random_id()}"
         self._check_size(1, sp, body)
 
         def make() -> list[Request]:
-            prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                      body.tools)
             return self._make_requests(request_id, [prompt], sp, body, "messages")
 
         requests = await self._off_loop(_text_size(body.messages), make)
@@ -370,8 +393,14 @@ class OpenAIServing:
         choices = []
         for j, c in enumerate(job.finals[0].outputs):
             text, logprobs = self._chat_piece(c, body)
-            choices.append(ChatChoice(index=j, message=ChatResponseMessage(content=text), logprobs=logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            message, finish_reason = ChatResponseMessage(content=text), c.finish_reason
+            if body.effective_tool_choice != "none":
+                tools = ChoiceTools(body, self.tool_parser)
+                answer = tools.whole(text)
+                message = ChatResponseMessage(content=answer.content, tool_calls=answer.tool_calls)
+                finish_reason = tools.finish_reason(c.finish_reason)
+            choices.append(ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     def _chat_events(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -388,6 +417,10 @@ class OpenAIServing:
         text_events = TextDeltaEvents(lambda j, text: chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text))))
         for j in range(job.n):
             yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))))
+        if body.effective_tool_choice != "none":
+            async for event in self._tool_chat_choices(job, body, chunk):
+                yield event
+            return
         async with aclosing(self._merged(job)) as outputs:
             async for _, out in outputs:
                 for j, c in enumerate(out.outputs):
@@ -398,6 +431,24 @@ class OpenAIServing:
                     elif text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
                         yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
                                                         logprobs=logprobs, finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason)))
+
+    async def _tool_chat_choices(self, job: _Job, body: ChatCompletionRequest,
+                                 chunk: Callable[[ChatChunkChoice], ChatCompletionChunk]) -> AsyncIterator[str]:
+        """The choices' events when the answer may call tools: each choice's text goes through its
+        ``ChoiceTools``, which sends content and tool-call pieces as it can tell them apart."""
+        tools = [ChoiceTools(body, self.tool_parser) for _ in range(job.n)]
+        async with aclosing(self._merged(job)) as outputs:
+            async for _, out in outputs:
+                for j, c in enumerate(out.outputs):
+                    text, logprobs = self._chat_piece(c, body)
+                    delta = tools[j].delta(text)
+                    if c.finish_reason is not None:
+                        delta = _joined(delta, tools[j].finish())
+                    if (delta is not None or c.finish_reason is not None or body.usage_on_every_chunk
+                            or (logprobs is not None and logprobs.content)):
+                        yield sse(chunk(ChatChunkChoice(index=j, delta=delta or DeltaMessage(), logprobs=logprobs,
+                                                        finish_reason=tools[j].finish_reason(c.finish_reason),
                                                         stop_reason=c.stop_reason)))
 
     @staticmethod
@@ -419,14 +470,18 @@ class OpenAIServing:
         return text, logprobs
 
     def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                    template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Tool] | None = None
+                    ) -> list[int]:
         """The conversation's token ids: rendered by the chat template (given ``template_kwargs`` as extra
-        variables), then tokenized unless its text is surely longer than ``max_model_len`` (``APIError``)."""
+        variables, and ``tools``), then tokenized unless its text is surely longer than ``max_model_len``
+        (``APIError``)."""
         try:
             text = self.engine.tokenizer.render_chat([m.to_template_dict() for m in messages],
                                                      add_generation_prompt=add_generation_prompt,
                                                      chat_template=self.chat_template,
-                                                     chat_template_kwargs=template_kwargs)
+                                                     chat_template_kwargs=template_kwargs,
+                                                     tools=[t.model_dump(exclude_none=True) for t in tools]
+                                                     if tools else None)
         except ValueError as e:          # no chat template, or kwargs naming its own parameters
             raise APIError(400, str(e), param="chat_template_kwargs" if template_kwargs else "messages") from None
         return self._encode(text, False, "messages")
@@ -448,7 +503,7 @@ class OpenAIServing:
         self.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             tokens = await self._off_loop(_text_size(body.messages), self.chat_prompt, body.messages,
-                                          body.add_generation_prompt, body.chat_template_kwargs)
+                                          body.add_generation_prompt, body.chat_template_kwargs, body.tools)
         else:
             tokens = await self._off_loop(len(body.prompt), self._encode, body.prompt, body.add_special_tokens,
                                           "prompt")
@@ -485,6 +540,7 @@ class OpenAIServing:
     # ---- shared ------------------------------------------------------------------------------
 
     def _sampling_params(self, body: SamplingRequest, **resolved) -> SamplingParams:
+        resolved["structured_outputs"] = structured_outputs_of(body)
         try:
             return body.to_sampling_params(self._defaults, **resolved)
         except ValueError as e:
@@ -512,7 +568,10 @@ class OpenAIServing:
             return [self.engine.make_request(f"{request_id}-{i}", p, sp, arrival, body.cache_salt, body.priority)
                     for i, p in enumerate(prompts)]
         except ValueError as e:
-            raise APIError(400, str(e), param=_named_param(e, body) or prompt_param) from None
+            param = _named_param(e, body)
+            if param == "structured_outputs":       # the grammar did not compile: blame the field it came from
+                param = constraint_field(body)
+            raise APIError(400, str(e), param=param or prompt_param) from None
 
     async def _submit(self, request_id: str, requests: list[Request], sp: SamplingParams) -> _Job:
         """Queue a request's prompts all together, or none (raises ``APIError``); refused while draining."""

@@ -5,6 +5,7 @@ prompts sharing a first block to the replica that has it cached."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.data_parallel import DataParallelEngine
+from jaxpaged.server.metrics import ServerMetrics
 from tiny_models import random_prompts
 
 if jax.device_count() < 4:
@@ -107,5 +109,13 @@ def test_async_engine_serves_through_replicas(tiny, reference, prompts):
     try:
         assert asyncio.run(main()) == reference[0][:4]
         assert engine.stats.num_usable_blocks == 2 * 63
+        # /metrics counts the replicas together: both took steps, and the pool is theirs.
+        while engine.stats.num_running:             # until the snapshot after the last step
+            time.sleep(0.01)
+        num_steps = [sum(e.step_stats.iteration_tokens.counts) for e in llm.engine.replicas]
+        assert all(num_steps)
+        text = ServerMetrics(engine, "tiny").render().decode()
+        assert f'vllm:iteration_tokens_total_count{{engine="0",model_name="tiny"}} {sum(num_steps)}.0' in text
+        assert 'num_gpu_blocks="128"' in text
     finally:
         engine.shutdown()

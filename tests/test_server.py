@@ -92,7 +92,7 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = {k.split("{")[0]: v for k, v in metrics(url).items()}
-        if (m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:num_requests_waiting"] == 0
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
                 and m["jaxpaged:kv_cache_free_blocks"] == m["jaxpaged:kv_cache_usable_blocks"]):
             return m
         assert time.monotonic() < deadline, f"server not idle: {m}"
@@ -220,26 +220,6 @@ def test_non_streamed_request_gets_only_its_final_output(client, monkeypatch):
     assert list(puts.values()) == [8]
 
 
-def test_token_metrics_count_streamed_and_non_streamed_requests(client, url):
-    """Generated tokens, request and per-token latency counts in ``/metrics``: a streamed n = 2
-    request (delta outputs) counts every token of both samples, as the non-streamed one does."""
-    kw = dict(model=MODEL, prompt="Paged attention", max_tokens=7, n=2, temperature=1.0, seed=2,
-              extra_body={"ignore_eos": True})
-    names = ["jaxpaged:generation_tokens_total", "jaxpaged:request_success_total",
-             "jaxpaged:time_per_output_token_seconds_count"]
-    for stream in (False, True):
-        wait_until_idle(url)
-        before = [metric(url, name) for name in names]
-        if stream:
-            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-            usage = chunks[-1].usage
-        else:
-            usage = client.completions.create(**kw).usage
-        wait_until_idle(url)
-        assert usage.completion_tokens == 14
-        assert [metric(url, name) - b for name, b in zip(names, before)] == [14, 1, 1]
-
-
 def test_stop_string_streamed_and_not(client):
     kw = dict(model=MODEL, prompt="Paged attention", max_tokens=24, temperature=1.0, seed=11,
               extra_body={"ignore_eos": True})
@@ -346,17 +326,9 @@ def test_chat_uses_the_template(client, engine):
     assert resp.usage.completion_tokens <= 3 and resp.object == "chat.completion"
 
 
-def test_prefix_cache_metrics(client, url):
-    prompt = list(range(100, 140))                        # 40 tokens: two full 16-token blocks
-    kw = dict(model=MODEL, prompt=prompt, max_tokens=2)
-    client.completions.create(**kw, extra_body={"cache_salt": "first"})
-    hits = metric(url, "jaxpaged:prefix_cache_hits_total")
-    client.completions.create(**kw, extra_body={"cache_salt": "other"})   # another salt: no sharing
-    assert metric(url, "jaxpaged:prefix_cache_hits_total") == hits
-    queries = metric(url, "jaxpaged:prefix_cache_queries_total")
-    client.completions.create(**kw, extra_body={"cache_salt": "first"})
-    assert metric(url, "jaxpaged:prefix_cache_hits_total") == hits + 32
-    assert metric(url, "jaxpaged:prefix_cache_queries_total") == queries + 40
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                       "required": ["city"]}}}
 
 
 BAD_REQUESTS = [
@@ -382,9 +354,14 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None, "only allowed when"),
     ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix", "not supported"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
-    ("completions", {"prompt": "hi", "guided_json": {}}, 400, "guided_json", "not supported"),
-    ("completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format",
-     "not supported"),
+    ("completions", {"prompt": "hi", "guided_json": {}, "guided_regex": "a+"}, 400, "guided_regex",
+     "one way only; this one asks through guided_json, guided_regex"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "response_format",
+     "json_schema is required"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format", "json_object"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs", "exactly one of"),
+    ("completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice", "at least one string"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("completions", {}, 400, "prompt", "Field required"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least 1"),
@@ -395,7 +372,15 @@ BAD_REQUESTS = [
      "needs logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
      400, "top_logprobs", "less than or equal to 20"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools",
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, None,
+     "needs tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+                          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, None,
+     "'nope', which is not in tools \\('get_weather'\\)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, 400, "tool_choice",
+     "--enable-auto-tool-choice"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages", "may be null only"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, 400, "functions",
      "not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": 1}},
      400, "chat_template_kwargs", "may not set"),
@@ -468,7 +453,7 @@ def test_request_logging(engine, client, caplog):
 
 
 def test_disconnected_streams_free_everything(url):
-    aborted = 'jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}'
+    aborted = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}'
     before = metrics(url).get(aborted, 0.0)
 
     async def open_and_drop(client: httpx.AsyncClient, i: int) -> int:
@@ -488,7 +473,7 @@ def test_disconnected_streams_free_everything(url):
 
     assert asyncio.run(main()) == [3] * 20
     m = wait_until_idle(url)
-    assert m["jaxpaged:kv_cache_usage_perc"] == 0.0
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
     assert metrics(url)[aborted] - before == 20
 
 
@@ -505,7 +490,7 @@ def test_disconnected_non_streamed_request_is_aborted(tiny):
     sees the client leave (its read timeout of 50 ms); a bare tiny model's steps could."""
     engine = AsyncLLMEngine(SlowEngine(LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS)),
                                        open=True))
-    aborted = 'jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}'
+    aborted = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}'
     body = {"model": MODEL, "prompt": "Long one", "max_tokens": 240, "ignore_eos": True}
     try:
         with serve(build_app(engine, MODEL)) as base:
@@ -558,7 +543,7 @@ def test_overload_then_dead_engine_return_503(tiny):
 
 def test_load_200_requests_from_32_clients(url, http):
     """Mixed completions / chat, streamed or not: all complete, none lost or duplicated."""
-    before = metric(url, "jaxpaged:request_success_total")
+    before = metric(url, "vllm:request_success_total")
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
     latencies: list[float] = []
@@ -607,7 +592,7 @@ def test_load_200_requests_from_32_clients(url, http):
           f"p99 {latencies[197]:.2f} s")
     assert elapsed < 60
     wait_until_idle(url)
-    assert metric(url, "jaxpaged:request_success_total") - before == 200
+    assert metric(url, "vllm:request_success_total") - before == 200
     assert http.get("/health").status_code == 200
 
 

@@ -70,10 +70,11 @@ def wait_until_idle(engine: AsyncLLMEngine, timeout: float = 30.0) -> float:
 
 
 def health_latencies(url: str, done: Callable[[list[float]], bool], interval: float = 0.02) -> list[float]:
-    """Poll ``/health`` on a kept-alive connection until ``done(latencies so far)``: each answer's latency."""
+    """Poll ``/health`` on a kept-alive connection, at least once, until ``done(latencies so far)``: each
+    answer's latency (the load may be over before the first poll)."""
     latencies: list[float] = []
     with httpx.Client(base_url=url, timeout=30) as client:
-        while not done(latencies):
+        while not latencies or not done(latencies):
             t0 = time.perf_counter()
             assert client.get("/health").status_code == 200
             latencies.append(time.perf_counter() - t0)
