@@ -129,8 +129,8 @@ def main() -> None:
     print(f"\nStart-up of {args.model} (median of {args.repeats} fresh processes, warm page cache, load average "
           f"{load:.1f} on {os.cpu_count()} CPUs; imports, the same for all, median "
           f"{statistics.median(r['imports'] for r in rows):.1f} s, not included)")
-    print(f"| format | dtype | on disk MiB | made in s | read s | build s | tokenizer s | total s | vs GGUF | "
-          f"peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| format | dtype | on disk MiB | made in s | read s | build s | tokenizer s | total s | vs GGUF | "
+          "peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         made = "-" if r["make_s"] is None else f"{r['make_s']:.1f}"
         print(f"| {r['format']} | {r['dtype']} | {r['disk_mib']:.0f} | {made} | {r['read']:.2f} | {r['build']:.2f} | "

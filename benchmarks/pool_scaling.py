@@ -19,7 +19,7 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.model_runner import ModelRunner
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.scheduler_output import SchedulerOutput
 from jaxpaged.models.decoder import pack_for_matmul_backend
 from jaxpaged.models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
 from jaxpaged.models.registry import BuiltModel, ModelShape
@@ -76,13 +76,13 @@ def main() -> None:
                               max_num_batched_tokens=512, max_num_seqs=256, max_model_len=8192)
                for k, n in sizes.items()}
     for r in runners.values():
-        r.execute(out)                              # compile and warm up
+        r.collect(r.launch(out))                    # compile and warm up
     times: dict[str, list[float]] = {k: [] for k in sizes}
     for _ in range(args.rounds):
         for k, r in runners.items():
             for _ in range(args.steps):
                 t = time.perf_counter()
-                r.execute(out)
+                r.collect(r.launch(out))
                 times[k].append(time.perf_counter() - t)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(f"decode step, batch {args.batch}, context {args.context}, block size {args.block_size}, "

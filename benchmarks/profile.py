@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.model_runner import sample_fn
+    from jaxpaged.step_programs import sample_fn
 
     reqs = synthetic(args.n, args.seed)
     llm = LLM(**workload_engine_args(args, args.dtype, enable_prefix_caching=False))

@@ -1,7 +1,7 @@
 """Sampler cost per step against the model forward, at batch 256 over SmolLM2's 49152-token vocabulary.
 
 The sampler runs on device logits as its own jitted program; its inputs come from
-``ModelRunner._sampling_tensors`` (the host side, timed separately) for requests with
+``BatchBuilder.sampling_tensors`` (the host side, timed separately) for requests with
 mixed parameters. Logit rows are Gaussian with a per-row scale: sharp rows (scale 5) keep
 their top-p nucleus within the sampler's candidate set; flat rows (scale 1) do not and take
 the exact bisection path. The forward is a decode step of the SmolLM2-135M shape with random
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.pool_scaling import decode_batch, smollm2_model
-from jaxpaged.model_runner import ModelRunner, sample_fn
+from jaxpaged.model_runner import ModelRunner
+from jaxpaged.step_programs import sample_fn
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
@@ -88,7 +89,7 @@ def main() -> None:
         slots = runner.slots.slots(reqs)        # the persistent batch's rows, written once per sequence
         seq_lens = np.full(B, args.context, np.int32)
         t = time.perf_counter()
-        st, flags = runner._sampling_tensors(reqs, slots, seq_lens, B, [])
+        st, flags = runner.batches.sampling_tensors(reqs, slots, seq_lens, B, [])
         name = f"{kind}, {logit_kind} logits"
         host_ms[name] = (time.perf_counter() - t) * 1e3
         cases[name] = (logits[logit_kind], jax.device_put(st), flags)

@@ -21,21 +21,21 @@ import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, resolve_model_arg, write_json
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from jaxpaged import model_runner
+from jaxpaged import batch_builder
 
 REGEX = "[a-z ,.]+"
 
 
 def timed_fill() -> list[float]:
     """Wrap the runner's bitmask fill; returns the list its calls' seconds are appended to."""
-    seconds, fill = [], model_runner.fill_bitmask
+    seconds, fill = [], batch_builder.fill_bitmask
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         out = fill(*args, **kwargs)
         seconds.append(time.perf_counter() - t0)
         return out
-    model_runner.fill_bitmask = timed
+    batch_builder.fill_bitmask = timed
     return seconds
 
 

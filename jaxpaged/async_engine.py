@@ -1,7 +1,6 @@
 """``AsyncLLMEngine``: the synchronous ``LLMEngine`` driven by a background thread, for servers.
 
-DESIGN.md puts this class in ``engine.py``; it has its own module so that ``engine.py`` stays the
-synchronous core (and so that work on both could proceed at once).
+It has its own module so that ``engine.py`` stays the synchronous core, free of threads and asyncio.
 
 ``LLMEngine`` is not thread-safe, so one thread, the loop thread, is the only one that adds,
 aborts or steps. Callers on any asyncio event loop hand it work through a locked command list

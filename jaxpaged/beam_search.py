@@ -22,14 +22,24 @@ The search follows Hugging Face transformers' ``generate(num_beams=k, do_sample=
 With ``beam_width=1`` HF runs greedy search instead, which ends at the first EOS whatever
 ``early_stopping`` says; so does this. The result is the ``k`` finished hypotheses, best
 score first. Pure Python, no jax.
+
+``BeamSearches`` holds the engine's live searches: each live beam is a running sequence; once
+every live beam of a prompt has its candidates, ``BeamSearches.step`` selects the next beams,
+forking the sequences that continue more than once and finishing those that end.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from jaxpaged.request import Logprob
+from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:       # annotations only: ``import jaxpaged`` reads this module and must stay light
+    from jaxpaged.scheduler import Scheduler
+    from jaxpaged.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -159,3 +169,104 @@ class BeamSearchState:
                 if best_possible <= self.finished[-1].score:
                     self.done = True
         return [] if self.done else running
+
+
+@dataclass
+class BeamSearch:
+    """One beam search request: its HF-equivalent state and its live beams (sequences)."""
+
+    root: Request
+    params: BeamSearchParams
+    state: BeamSearchState
+    beams: list[Request]
+    cum: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    """Live beam id -> its best 2k next tokens and logprobs, once its step has run."""
+    num_forks: int = 0
+
+    def __post_init__(self) -> None:
+        self.cum.setdefault(self.root.request_id, 0.0)
+
+
+class BeamSearches:
+    """The engine's live beam searches, by request id (``by_id``) and by live beam id (``of_beam``)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.by_id: dict[str, BeamSearch] = {}
+        self.of_beam: dict[str, BeamSearch] = {}
+
+    def add(self, root: Request, params: BeamSearchParams) -> None:
+        """Queue ``root``, the search's first beam (made with greedy top-2k logprobs rows)."""
+        root.reserved_seqs, root.multi_step = params.beam_width - 1, False
+        self.scheduler.add_request(root)
+        search = BeamSearch(root, params, BeamSearchState(params, self.tokenizer.eos_token_id), [root])
+        self.by_id[root.request_id] = search
+        self.of_beam[root.request_id] = search
+
+    def abort(self, request_id: str) -> bool:
+        """Abort the search ``request_id`` (all its beams); False if there is none."""
+        search = self.by_id.pop(request_id, None)
+        if search is None:
+            return False
+        for beam in search.beams:
+            self.scheduler.abort_request(beam.request_id)
+            self.of_beam.pop(beam.request_id, None)
+        search.beams = []
+        return True
+
+    def step(self, search: BeamSearch) -> RequestOutput | None:
+        """Select the next beams once every live beam has its candidates; the output when done."""
+        if any(b.request_id not in search.pending for b in search.beams):
+            return None
+        beams = search.beams
+        conts = search.state.step([(search.cum[b.request_id], b.output_token_ids, b.output_logprobs) for b in beams],
+                                  [search.pending[b.request_id] for b in beams])
+        search.pending.clear()
+        search.root.reserved_seqs = 0
+        for b in beams:
+            b.waiting_for_group = False
+        children: dict[int, list[Continuation]] = {}
+        for c in conts:
+            children.setdefault(c.beam, []).append(c)
+        # Beams that do not continue free their blocks first (making room), then the rest fork.
+        for i, b in enumerate(beams):
+            if i not in children:
+                self.scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+                self.of_beam.pop(b.request_id, None)
+        new_beams = []
+        for i, b in enumerate(beams):
+            for c in children.get(i, [])[1:]:
+                search.num_forks += 1
+                child = Request(request_id=f"beam{search.num_forks}_{search.root.request_id}",
+                                prompt_token_ids=b.prompt_token_ids, sampling_params=b.sampling_params,
+                                max_tokens=b.max_tokens, seed=b.seed, eos_token_id=b.eos_token_id,
+                                cache_salt=b.cache_salt, arrival_time=b.arrival_time, priority=b.priority,
+                                output_token_ids=b.output_token_ids + [c.token],
+                                output_logprobs=b.output_logprobs + [c.logprob], output_top_logprobs=[])
+                self.scheduler.fork_request(b, child)
+                self.of_beam[child.request_id] = search
+                search.cum[child.request_id] = c.cum_logprob
+                new_beams.append(child)
+            if i in children:
+                c = children[i][0]
+                b.output_token_ids.append(c.token)
+                b.output_logprobs.append(c.logprob)
+                search.cum[b.request_id] = c.cum_logprob
+                new_beams.append(b)
+        search.beams = new_beams
+        if not search.state.done:
+            return None
+        del self.by_id[search.root.request_id]
+        return self._output(search)
+
+    def _output(self, search: BeamSearch) -> RequestOutput:
+        root = search.root
+        outs = [CompletionOutput(index=rank, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                                 token_ids=list(h.token_ids), cumulative_logprob=h.cum_logprob,
+                                 logprobs=[{t: Logprob(l)} for t, l in zip(h.token_ids, h.logprobs)],
+                                 finish_reason="stop" if h.eos else "length")
+                for rank, h in enumerate(search.state.finished)]
+        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids, outs, finished=True,
+                             metrics={"arrival_time": root.arrival_time, "finished_time": time.time()})

@@ -255,7 +255,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _convert(ns: argparse.Namespace) -> int:
-    from jaxpaged.weights import convert_checkpoint
+    from jaxpaged.convert import convert_checkpoint
 
     out = convert_checkpoint(ns.model, ns.output, dtype=ns.dtype)
     print(f"wrote {out} ({ns.dtype}); use it as --model {out}")

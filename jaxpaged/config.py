@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from jaxpaged.generation_config import GENERATION_CONFIG_FILE, GENERATION_CONFIG_MODES
 
@@ -157,10 +157,6 @@ class EngineArgs:
                                     "this many steps on the device, sampling a token each, and the host's work is "
                                     "shared by them; a request that stops early wastes the rest of its steps, and "
                                     "new arrivals wait for the group to end.")
-
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata["help"] for f in fields(cls)}
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)

@@ -20,16 +20,19 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import LLMEngine
+from jaxpaged.engine_base import EngineBase, request_id_in_use
 from jaxpaged.kv_cache_manager import PrefixCacheStats, SharingStats, hash_block, root_hash
 from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.step_stats import StepStats
+
+if TYPE_CHECKING:       # annotations only: ``engine`` imports this module, and builds the replicas for it
+    from jaxpaged.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -120,20 +123,21 @@ class _SchedulerTotals:
         return sum(s.num_preemptions for s in self._schedulers)
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineBase):
     """``LLMEngine``'s public API over ``data_parallel_size`` replicas (see the module doc)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, replica: type[LLMEngine]):
+        """``replica``: the engine class of each replica (``LLMEngine.from_engine_args`` passes its own)."""
         p = config.parallel
         grid = parallel.device_grid(p.tensor_parallel_size, p.data_parallel_size)   # ValueError if too few
-        first = LLMEngine(config, devices=list(grid[0]))
+        first = replica(config, devices=list(grid[0]))
         self.config = config = first.config     # dtype "auto" resolved once, by the first replica
         cc = config.cache
         if cc.sized_automatically:
             # The first replica sized its pool from the memory free before it; the later ones would find less
             # (replicas on CPU devices share the host's): they take its size, so all hold the same sequences.
             config = replace(config, cache=replace(cc, num_blocks_override=first.cache_info.num_blocks))
-        self.replicas = [first, *(LLMEngine(config, devices=list(row)) for row in grid[1:])]
+        self.replicas = [first, *(replica(config, devices=list(row)) for row in grid[1:])]
         self.tokenizer = first.tokenizer
         self.generation_defaults = first.generation_defaults
         self.vocab_size = first.vocab_size
@@ -154,7 +158,7 @@ class DataParallelEngine:
 
     def _route(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> int:
         if request_id in self._replica_of:
-            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id.")
+            raise request_id_in_use(request_id)
         return self.router.choose(token_ids, cache_salt, self._loads())
 
     # ---- requests -------------------------------------------------------------------------
@@ -164,11 +168,6 @@ class DataParallelEngine:
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      priority: int = 0) -> Request:
         return self.replicas[0].make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
-
-    add_request = LLMEngine.add_request     # make_request, then add_prepared_request (routed)
-
-    def add_prepared_request(self, req: Request) -> None:
-        self.add_prepared_requests([req])
 
     def add_prepared_requests(self, reqs: Sequence[Request]) -> None:
         """Route each request, then queue each replica's share together; all of them or none."""

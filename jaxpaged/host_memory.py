@@ -3,10 +3,9 @@
 XLA's CPU runtime allocates each step's outputs and temporaries afresh on every call (the logits
 alone are rows x vocabulary floats: 50 MB at 256 rows of SmolLM2), and glibc's malloc serves an
 allocation above its mmap threshold (at most 32 MiB) with a fresh mapping that it unmaps when it is
-freed, so every step faulted those pages in again and zeroed them: ~23,000 minor page faults a
-decode step for SmolLM2 at 256 running requests, measured. Told to serve every allocation from its
-heaps and to return a heap's free top to the system only past ``TRIM_THRESHOLD``, glibc reuses the
-freed memory instead, as tcmalloc or jemalloc would (vLLM's CPU backend asks for tcmalloc through
+freed, so every step faulted those pages in again and zeroed them. Told to serve every allocation
+from its heaps and to return a heap's free top to the system only past ``TRIM_THRESHOLD``, glibc
+reuses the freed memory instead, as tcmalloc or jemalloc would (vLLM's CPU backend asks for tcmalloc through
 ``LD_PRELOAD``). The setting is the process's: it holds for every allocation made after it.
 """
 

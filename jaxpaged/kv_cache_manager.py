@@ -19,8 +19,8 @@ A hit is verified exactly: the cached block's token ids must equal the request's
 parent must be the very block (same physical id, not overwritten since) that the request
 matched one step earlier, or for a first block the request's own root digest; so a hash
 collision cannot hand a request another prefix's KV, and the chain's hash need not resist
-collisions: it is Python's 64-bit tuple hash (a SHA-256 digest a block cost 2-3 us more, at
-32 new full blocks a decode step with 256 running requests). A collision only costs a hit:
+collisions: it is Python's 64-bit tuple hash (cheaper per block than a SHA-256 digest, and a decode
+step publishes many full blocks). A collision only costs a hit:
 the first block published under a hash keeps it.
 
 Sharing between sequences (parallel samples, beams): ``fork`` gives a child the parent's
@@ -42,9 +42,10 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from jaxpaged.math_utils import cdiv
 from jaxpaged.request import Request
+from jaxpaged.scheduler_output import TableChange
 
 NULL_BLOCK_ID = 0
 """Reserved block that padding rows of a batch point at; never handed out."""
@@ -73,16 +74,9 @@ def root_hash(cache_salt: str | None) -> RootDigest:
     return hashlib.sha256(b"jaxpaged-prefix-root" + (cache_salt or "").encode()).digest()
 
 
-class TableChange(NamedTuple):
-    """A request whose block table changed: entries from ``first`` on are new (or gone)."""
-
-    request: Request
-    first: int
-
-
 _new_table_change = functools.partial(tuple.__new__, TableChange)
-"""``TableChange(request, first)`` from a ``(request, first)`` pair at half the cost of the NamedTuple's
-own constructor (a Python function): a decode step at 256 running requests makes ~32, a group of 8 ~256."""
+"""``TableChange(request, first)`` from a ``(request, first)`` pair without the NamedTuple's own constructor
+(a Python function call): a decode step makes one per table that grew."""
 
 
 @dataclass(frozen=True)
@@ -226,7 +220,7 @@ class BlockPool:
         eviction waits for this table. They move to the queue's tail (the next table placed at the
         head leaves them), marked as kept for this table: no other table takes them (until one
         reaches the queue's head). Why: the CPU decode attention reads a sequence's pages in
-        table order, and consecutive pages (one stream a layer) read 1.5-1.9x faster than pages
+        table order, and consecutive pages (one stream a layer) read faster than pages
         scattered over the pool (``docs/architecture.md``). All or nothing."""
         total = sum(counts)
         if min(counts, default=0) < 0:
@@ -386,7 +380,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def sharing_stats(self) -> SharingStats:
         return SharingStats(self.pool.num_used_blocks, self.pool.num_block_refs)
@@ -432,7 +426,7 @@ class KVCacheManager:
         grown, tables, counts, firsts = [], [], [], []
         for r in requests:
             table = r.block_ids
-            c = -(-r.num_computed_tokens // bs) - len(table)
+            c = -(-r.num_computed_tokens // bs) - len(table)     # cdiv inline: no call per row in the step's loop
             if c > 0:
                 grown.append(r)
                 tables.append(table)

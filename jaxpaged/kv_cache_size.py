@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxpaged.math_utils import cdiv
+
 FREE_FRACTION = 0.5
 CPU_CAP = 4 << 30
 
@@ -82,7 +84,7 @@ def host_available_bytes() -> int:
 def auto_kv_cache_memory(bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int,
                          devices: Sequence[jax.Device], gpu_memory_utilization: float | None = None) -> int:
     """Bytes per device for the page pool (see the module's docstring); ``bytes_per_block`` is per device."""
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = cdiv(max_model_len, block_size)
     need = (max_num_seqs * blocks_per_seq + 1) * bytes_per_block      # + the reserved null block
     size = min(need, least_budget_bytes(devices, gpu_memory_utilization))
     if devices[0].platform == "cpu" and gpu_memory_utilization is None:

@@ -77,8 +77,7 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     """``len(prompt_token_ids)`` (a prompt never changes once the request is made), kept beside the
     decode step's fields: the scheduler reads it for every running request each step, and the
-    prompt list is one more object to fetch per request (15-20 us a step at 256 running once the
-    device step has evicted the host's caches, measured)."""
+    prompt list would be one more object to fetch per request."""
     # The fields a decode step reads and writes come first: they share the object's first cache lines.
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0

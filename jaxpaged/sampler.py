@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.math_utils import cdiv
+
 CANDIDATES = 64
 """Largest logits per row examined for top-k/top-p before falling back to bisection."""
 DRAW_BLOCK = 256
@@ -155,7 +157,7 @@ def _on_rows(fn, need: jax.Array, fast: jax.Array, *row_args: jax.Array) -> jax.
     """
     R = need.shape[0]
     C = min(_ROW_CHUNK, R)
-    idx = jnp.nonzero(need, size=-(-R // C) * C, fill_value=R)[0]  # needed rows first, then R (none)
+    idx = jnp.nonzero(need, size=cdiv(R, C) * C, fill_value=R)[0]  # needed rows first, then R (none)
 
     def chunk(g: jax.Array, out: jax.Array) -> jax.Array:
         sel = jax.lax.dynamic_slice(idx, (g * C,), (C,))
@@ -254,7 +256,7 @@ def _blocks(x: jax.Array, fill: float) -> jax.Array:
     """
     R, V = x.shape
     L = _block_len(V)
-    B = -(-V // L)
+    B = cdiv(V, L)
     if B * L != V:
         x = jnp.pad(x, ((0, 0), (0, B * L - V)), constant_values=fill)
     return x.reshape(R, B, L)

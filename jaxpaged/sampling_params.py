@@ -18,10 +18,9 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jaxpaged.structured_outputs_params import StructuredOutputsParams
+from jaxpaged.param_errors import ParamError, excerpt
+from jaxpaged.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,22 +33,6 @@ INT32_MAX = 2**31 - 1
 """Largest count or token id: the device holds them as int32."""
 FLOAT32_TINY = 1.1754943508222875e-38
 """Smallest normal float32: XLA may read smaller (subnormal) values as 0 (on CPU, ``1e-45 > 0`` is false)."""
-MAX_EXCERPT = 100
-"""Characters of an invalid value an error message quotes at most."""
-
-
-class ParamError(ValueError):
-    """An invalid parameter; ``param`` names it (the server reports it as the error's ``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def excerpt(value: object) -> str:
-    """``repr(value)``, cut to ``MAX_EXCERPT`` characters: an error message never echoes a whole input."""
-    text = repr(value)
-    return text if len(text) <= MAX_EXCERPT else f"{text[:MAX_EXCERPT]}... ({len(text)} characters)"
 
 
 def is_unicode(text: str) -> bool:
@@ -210,8 +193,6 @@ class SamplingParams:
             v = getattr(self, name)
             need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
                  f"None or an integer in [0, {MAX_LOGPROBS}]")
-        # Imported here: that module raises this module's ParamError.
-        from jaxpaged.structured_outputs_params import StructuredOutputsParams
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "None or a StructuredOutputsParams")
 

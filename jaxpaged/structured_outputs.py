@@ -22,7 +22,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxpaged.sampling_params import ParamError, excerpt
+from jaxpaged.math_utils import cdiv
+from jaxpaged.param_errors import ParamError, excerpt
 from jaxpaged.structured_outputs_params import StructuredOutputsParams
 from jaxpaged.tokenizer import Tokenizer
 
@@ -34,7 +35,7 @@ GRAMMAR_CACHE_SIZE = 256
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one packed bitmask row over ``vocab_size`` tokens."""
-    return -(-vocab_size // 32)
+    return cdiv(vocab_size, 32)
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpaged.sampling_params import ParamError, excerpt
+from jaxpaged.param_errors import ParamError, excerpt
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The kinds of constraint, in the order ``StructuredOutputsParams`` lists them."""

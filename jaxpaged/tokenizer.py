@@ -14,6 +14,7 @@ import tokenizers.decoders
 import transformers
 
 from jaxpaged.gguf_tokenizer import load_gguf_tokenizer
+from jaxpaged.math_utils import cdiv
 from jaxpaged.weights.hub import TOKENIZER_FILES, local_or_snapshot
 from jaxpaged.weights.resolve import DEFAULT_MODEL_ALIAS, resolve_model_path
 
@@ -67,7 +68,7 @@ class Tokenizer:
             return 0
         longest, dropped = self._token_bound
         data = text.encode("utf-8", "surrogatepass")
-        return -(-len(data.translate(None, dropped) if dropped else data) // longest)
+        return cdiv(len(data.translate(None, dropped) if dropped else data), longest)
 
     def _bounding_token_bytes(self) -> tuple[int, bytes] | None:
         """(the most input bytes one token stands for, the bytes encoding drops) where they bound the
@@ -138,9 +139,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The same ids as transformers' ``encode``. A short text is encoded by the Rust tokenizer
-        holding the GIL (~35 us a sentence): transformers' call releases it, and taking it back from a
-        busy engine thread cost the event loop 0.85 ms a call with 1,500 requests arriving (measured).
-        A long one releases it, so that other threads run meanwhile."""
+        holding the GIL: transformers' call releases it, and taking it back from a busy engine thread
+        costs the event loop far more than the encoding. A long one releases it, so that other threads
+        run meanwhile."""
         if self.backend is not None and len(text) <= GIL_HELD_CHARS:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -206,10 +207,9 @@ class IncrementalDetokenizer:
     the new tokens become the window, so the work per step does not grow with the output. With a
     byte-level tokenizer (``Tokenizer.byte_table``) the rule needs no decoder call: the window's
     text ends with a whole character, so the new text is the new tokens' bytes decoded on their own,
-    as they come, an unfinished character's bytes kept for the next step (~2 us a token step,
-    against ~5 with DecodeStream).
+    as they come, an unfinished character's bytes kept for the next step (cheaper than DecodeStream).
     Otherwise, with a fast tokenizer, the rule runs in Rust (``tokenizers``' DecodeStream, the same
-    algorithm, ~6x less time per token than Python); otherwise, or if the stream rejects a step,
+    algorithm, several times faster than Python); otherwise, or if the stream rejects a step,
     in Python.
 
     Starting from the prompt's last tokens makes the first output token decode as it does in

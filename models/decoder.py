@@ -14,7 +14,7 @@ one ``lax.scan`` over params stacked by ``stack_layers`` instead. With the nativ
 matmul (``matmul_backend="cpu"``) every kind of layer weight is instead one array stacked over the
 layers (``layers`` below, each leaf ``[L, ...]``), which the native kernels read at the layer's
 offset in place (``pack_for_matmul_backend`` stacks them): a step's jitted call then takes SmolLM2's
-parameters as 9 arrays instead of 183, and each array argument costs the host ~2 us at every call.
+parameters as 9 arrays instead of 183, and each array argument costs the host time at every call.
 Each layer scatters its new K/V into the page array
 ``[L, 2, num_blocks, block_size, Hkv, D]`` in place (``write_kv``), addressed by its (static)
 layer index, then attends through ``paged_attention`` (every backend).
@@ -50,6 +50,7 @@ from jaxpaged.kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rop
 from jaxpaged.kernels.kv_ops import take_rows
 from jaxpaged.kernels.precision import matmul_precision
 from jaxpaged.kernels.sharded import paged_attention, split_fused, write_kv
+from jaxpaged.math_utils import cdiv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 NORMS = ("rmsnorm", "layernorm")
@@ -205,7 +206,7 @@ class Linear(nn.Module):
         if self.backend == "cpu":
             kernel = self.get_variable("params", "kernel")
             if kernel is None or kernel.dtype != jnp.uint8:     # else a quantized weight (cpu_matmul.pack_quantized)
-                shape = (-(-self.features // cpu_matmul.PANEL), k, cpu_matmul.PANEL)
+                shape = (cdiv(self.features, cpu_matmul.PANEL), k, cpu_matmul.PANEL)
                 kernel = self.param("kernel", nn.initializers.zeros, stack + shape, self.dtype)
             y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows, layer)
             y = y.reshape(*x.shape[:-1], self.features)

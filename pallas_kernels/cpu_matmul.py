@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels.native import NATIVE_DTYPES, layer_shape, load_library, register_cpu_targets, row_count
+from jaxpaged.math_utils import cdiv
 
 _LIBRARY = "jaxpaged.kernels._matmul_cpu"
 _TARGET, _QUANT_TARGET = "jaxpaged_matmul_cpu", "jaxpaged_matmul_quant_cpu"
@@ -91,7 +92,7 @@ def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
     if w.ndim != 2:
         raise ValueError(f"pack_weight expects a 2-D weight [K, N], got shape {w.shape}")
     k, n = w.shape
-    panels = -(-n // PANEL)
+    panels = cdiv(n, PANEL)
     if n % PANEL:
         w = np.pad(w, ((0, 0), (0, panels * PANEL - n)))
     by_panel = w.reshape(k, panels, PANEL).transpose(1, 0, 2)  # [P, K, 32], a view
@@ -117,7 +118,7 @@ def pack_quantized(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> 
                          f"{scale.shape} and {offset.shape}")
     if codes.size and (codes.min() < 0 or codes.max() > 255):
         raise ValueError("codes must lie in 0..255")
-    panels = -(-n // PANEL)
+    panels = cdiv(n, PANEL)
     pad = ((0, 0), (0, panels * PANEL - n))
     rows = np.pad(codes.astype(np.uint8), pad).reshape(k, panels, PANEL).transpose(1, 0, 2)   # [P, K, 32]
     if codes.size == 0 or codes.max() < 16:
@@ -172,7 +173,7 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
             raise ValueError(f"expected a packed weight [P, K, {PANEL}], got shape {weight}")
         if weight[1] != k:
             raise ValueError(f"K does not match: x has {k} columns, the packed weight {weight[1]} rows")
-    if n < 0 or -(-n // PANEL) != weight[0]:
+    if n < 0 or cdiv(n, PANEL) != weight[0]:
         raise ValueError(f"n={n} does not match the weight's {weight[0]} panels of {PANEL} columns")
     rows = row_count(num_rows, x.shape[0])
     call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))

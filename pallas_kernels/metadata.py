@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxpaged.math_utils import cdiv
+
 PAD_SLOT = -1
 
 
@@ -53,7 +55,7 @@ def build_prefill_tiles(query_start_loc: np.ndarray, tile_size: int, num_tiles: 
     """Cut every multi-token query span into tiles; pad to ``num_tiles`` (vectorized numpy)."""
     q_lens = np.diff(query_start_loc)
     rows = np.flatnonzero(q_lens > 1)
-    counts = -(-q_lens[rows] // tile_size)
+    counts = cdiv(q_lens[rows], tile_size)
     n = int(counts.sum())
     if n > num_tiles:
         raise ValueError(f"{n} prefill tiles do not fit the bucket of {num_tiles}")
@@ -74,4 +76,4 @@ def build_prefill_tiles(query_start_loc: np.ndarray, tile_size: int, num_tiles: 
 def num_prefill_tiles(query_start_loc: np.ndarray, tile_size: int) -> int:
     q_lens = np.diff(query_start_loc)
     multi = q_lens[q_lens > 1]
-    return int((-(-multi // tile_size)).sum())
+    return int(cdiv(multi, tile_size).sum())

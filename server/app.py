@@ -29,9 +29,9 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxpaged.async_engine import AsyncLLMEngine
+from jaxpaged.param_errors import excerpt
 from jaxpaged.server.errors import APIError, install_error_handlers
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.sampling_params import excerpt
 from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                              ModelCard, ModelList, RequestModel, TokenizeChatRequest, TokenizeCompletionRequest,
                              TokenizerInfoResponse, TokenizeResponse, VersionResponse)

@@ -56,9 +56,8 @@ _STREAM_ERRORS = (EngineDeadError, EngineOverloadedError, RequestFailedError)
 ``max_queue_time``, or its own processing failed."""
 _OFF_LOOP_CHARS = GIL_HELD_CHARS
 """Inputs larger than this (characters of text, or token ids) are handled in a worker thread. A text
-this short is tokenized in ~0.4 ms at most, holding the GIL; a longer one's tokenizing releases the GIL,
-and the event loop would wait to take it back from the engine thread (0.85 ms a call under load,
-measured), blocked meanwhile."""
+this short is tokenized quickly holding the GIL; a longer one's tokenizing releases the GIL, and the
+event loop would be blocked meanwhile, waiting to take it back from the engine thread."""
 DEFAULT_MAX_SEQS_PER_REQUEST = 1024
 
 
@@ -82,9 +81,9 @@ def shutting_down_error() -> APIError:
 
 
 def _named_param(error: ValueError, body: SamplingRequest) -> str | None:
-    """The request field an engine error is about: its ``param`` (``ParamError``), else the first word
-    of its message, the parameter's name."""
-    name = getattr(error, "param", None) or str(error).split(" ", 1)[0]
+    """The request field an engine error is about: its ``param`` (``ParamError``) when this request type has
+    that field, else None (never read from the message: rewording one must not change the API)."""
+    name = getattr(error, "param", None)
     return name if name in type(body).model_fields else None
 
 
@@ -111,10 +110,9 @@ class TextDeltaEvents:
     """The events of a stream's common chunk, a choice's text with nothing else (no logprobs, no
     finish), without pydantic: the chunk's models are dumped once per choice with a marker text and
     split around it, so an event is that prefix, the text as a JSON string (``json``'s C encoder,
-    as ``json.dumps(text, ensure_ascii=False)`` has it) and that suffix. ~0.5 us an event against
-    ~16 us for building and dumping a chat chunk's models (``benchmarks/stream_events.py``): ~4 ms
-    of event loop per step at 256 streams. The same bytes as ``sse(chunk(index, text))`` (a test
-    compares them)."""
+    as ``json.dumps(text, ensure_ascii=False)`` has it) and that suffix: far cheaper than building and
+    dumping a chunk's models at every step of every stream (``benchmarks/stream_events.py``). The same
+    bytes as ``sse(chunk(index, text))`` (a test compares them)."""
 
     _MARK = "\x00jaxpaged-text\x00"
 
@@ -676,5 +674,5 @@ def _text_size(messages: Sequence[ChatMessage]) -> int:
 
 def _random_id() -> str:
     """A request id: 128 random bits, as ``uuid4().hex`` has, without its ``os.urandom`` call (a syscall
-    that releases the GIL: taking it back from the engine thread cost ~0.14 ms a request under load)."""
+    that releases the GIL, which the event loop then waits to take back from the engine thread)."""
     return f"{random.getrandbits(128):032x}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxpaged.sampling_params import ParamError
+from jaxpaged.param_errors import ParamError
 from jaxpaged.server.errors import APIError
 from jaxpaged.server.protocol import ChatCompletionRequest, SamplingRequest
 from jaxpaged.structured_outputs_params import StructuredOutputsParams

@@ -8,6 +8,7 @@ import pytest
 
 from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from jaxpaged.request import Request
+from jaxpaged.step_programs import packed_inputs
 from tiny_models import random_prompts
 
 
@@ -142,27 +143,27 @@ def test_persistent_block_tables_follow_the_requests(tiny):
     writes replayed here into a numpy copy of the device tables)."""
     path, hf = tiny
     engine = _engine(path, preemption_mode="swap", swap_space=2**-14, num_gpu_blocks_override=24)
-    prepare, slots = engine.runner.prepare, engine.runner.slots
-    take = slots.take_table_writes
-    device = np.zeros(np.shape(engine.runner._tables), np.int32)
+    prepare, slots, table = engine.runner.prepare, engine.runner.slots, engine.runner.block_table
+    take = table.take_writes
+    device = np.zeros(np.shape(table.tables), np.int32)
     scheduled, checked = [], []
 
     def recorded_prepare(out):
         scheduled[:] = [(r, list(r.block_ids)) for r in out.requests]     # prepare takes the writes
         batch = prepare(out)
         for r in out.requests + [c for _, c in out.forks]:     # a fork's child runs from the next step
-            assert slots.num_blocks[slots.slot(r)] == len(r.block_ids), r.request_id
+            assert table.num_blocks[slots.slot(r)] == len(r.block_ids), r.request_id
         return batch
 
     def checked_take():
         writes = take()
         if writes is not None:
             device[writes[0], writes[1]] = writes[2]
-        for r, table in scheduled:
-            assert device[slots.device_row[slots.slot(r)], :len(table)].tolist() == table, r.request_id
+        for r, blocks in scheduled:
+            assert device[table.device_row[slots.slot(r)], :len(blocks)].tolist() == blocks, r.request_id
         checked.append(len(scheduled))
         return writes
-    engine.runner.prepare, slots.take_table_writes = recorded_prepare, checked_take
+    engine.runner.prepare, table.take_writes = recorded_prepare, checked_take
     _run(engine, _workload(hf.config.vocab_size))
     assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
 
@@ -193,7 +194,7 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
 
     engine = _engine(path, num_gpu_blocks_override=num_blocks, num_scheduler_steps=num_steps)
     runner = engine.runner
-    full_prepare, next_steady = type(runner).prepare, runner._next_steady_batch
+    full_prepare, next_steady = type(runner).prepare, runner.batches._next_steady_batch
     steady, groups = [], []
 
     def counted_next_steady(*args):
@@ -202,12 +203,13 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
 
     def compared_prepare(out):
         # The full preparation on a copy of the state it reads and changes, then the real one.
-        slots = runner.slots
-        state = {k: v.copy() if isinstance(v, (np.ndarray, dict, list)) else v for k, v in vars(slots).items()}
-        kept, runner._steady = runner._steady, None
+        state = {o: {k: v.copy() if isinstance(v, (np.ndarray, dict, list)) else v for k, v in vars(o).items()}
+                 for o in (runner.slots, runner.block_table)}
+        kept, runner.batches._steady = runner.batches._steady, None
         want = full_prepare(runner, out)
-        vars(slots).update(state)
-        runner._steady = kept
+        for o, saved in state.items():
+            vars(o).update(saved)
+        runner.batches._steady = kept
         got = full_prepare(runner, out)
         assert (got.table_width, got.flags, got.num_rows, got.num_steps) == (want.table_width, want.flags,
                                                                               want.num_rows, want.num_steps)
@@ -218,7 +220,7 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
         np.testing.assert_array_equal(np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
                                       np.concatenate([want.step_table_writes, *want.table_writes], axis=1))
         # What the device receives: the packed inputs (a steady batch advances the last one's).
-        (got_packed, got_layout), (want_packed, want_layout) = (type(runner)._packed_inputs(b) for b in (got, want))
+        (got_packed, got_layout), (want_packed, want_layout) = (packed_inputs(b) for b in (got, want))
         assert got_layout == want_layout
         np.testing.assert_array_equal(got_packed, want_packed)
         return got
@@ -229,7 +231,7 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
         assert set(b.program_keys) <= runner.program_keys
         return launched
 
-    runner._next_steady_batch = counted_next_steady
+    runner.batches._next_steady_batch = counted_next_steady
     runner.prepare = compared_prepare
     runner.run_batch = checked_run_batch
     got = _run(engine, workload)
@@ -246,14 +248,14 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
     every token's slot is the one its request's own block table gives, and padding tokens write nothing."""
     import jax
 
-    from jaxpaged import model_runner
+    from jaxpaged import step_programs
     from jaxpaged.kernels import PAD_SLOT
 
     path, hf = tiny
     engine = _engine(path, preemption_mode=preemption_mode, swap_space=2**-10, num_gpu_blocks_override=20)
     runner, bs = engine.runner, engine.cache_info.block_size
-    unpack = jax.jit(model_runner._unpack_inputs, static_argnums=(1, 3))
-    prepare, forward, next_steady = runner.prepare, runner.forward, runner._next_steady_batch
+    unpack = jax.jit(step_programs.unpack_inputs, static_argnums=(1, 3))
+    prepare, forward, next_steady = runner.prepare, runner.forward, runner.batches._next_steady_batch
     tables, steady, checked = {}, [], []
 
     def recorded_prepare(out):
@@ -266,15 +268,16 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
         return next_steady(*args)
 
     def checked_forward(b):
-        packed, layout = model_runner.ModelRunner._packed_inputs(b)
-        md = unpack(packed, layout, jax.numpy.array(runner._tables), bs)[2]
+        packed, layout = step_programs.packed_inputs(b)
+        md = unpack(packed, layout, jax.numpy.array(runner.block_table.tables), bs)[2]
         want = [PAD_SLOT if r < 0 else tables[id(b)][r][p // bs] * bs + p % bs
                 for r, p in zip(b.token_rows.tolist(), b.positions.tolist())]
         assert b.md.slot_mapping is None and np.asarray(md.slot_mapping).tolist() == want
         checked.append((b.token_rows >= 0).sum())
         return forward(b)
 
-    runner.prepare, runner.forward, runner._next_steady_batch = recorded_prepare, checked_forward, counted_next_steady
+    runner.prepare, runner.forward, runner.batches._next_steady_batch = (recorded_prepare, checked_forward,
+                                                                         counted_next_steady)
     _run(engine, _workload(hf.config.vocab_size))
     assert len(steady) > 5 and max(checked) > len(steady) and engine.scheduler.num_preemptions > 0
 
@@ -286,7 +289,7 @@ def test_step_fn_writes_each_token_at_the_slot_its_rows_block_table_gives(tiny):
     tokens after them write nothing."""
     import jax.numpy as jnp
 
-    from jaxpaged.model_runner import step_fn
+    from jaxpaged.step_programs import step_fn
     from jaxpaged.kernels import AttentionMetadata, build_prefill_tiles
 
     path, _ = tiny
@@ -330,7 +333,7 @@ def test_steady_steps_register_a_new_context_bucket(tiny):
     def checked_run_batch(b):
         launched = type(runner).run_batch(runner, b)
         assert set(b.program_keys) <= runner.program_keys
-        widths.append((b.table_width, runner._steady is not None and runner._steady[1] is b))
+        widths.append((b.table_width, runner.batches._steady is not None and runner.batches._steady[1] is b))
         return launched
 
     runner.run_batch = checked_run_batch

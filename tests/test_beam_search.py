@@ -106,7 +106,7 @@ def test_beams_share_blocks_and_free_them(llm):
         assert stats.blocks_used == eng.kv_cache_manager.pool.num_used_blocks
     # 4 beams over a 37-token prompt (10 blocks of 4): nearly all of each beam's table is shared.
     assert max(saved) > 0.6
-    assert len(eng._beam_searches["bs"].beams) == 4
+    assert len(eng._beam_searches.by_id["bs"].beams) == 4
     eng.abort_request("bs")
     assert not eng.has_unfinished_requests()
     assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks

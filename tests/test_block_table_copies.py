@@ -1,4 +1,4 @@
-"""The device copy of the block tables, replayed here in numpy from the writes ``SequenceSlots`` queues,
+"""The device copy of the block tables, replayed here in numpy from the writes ``BlockTable`` queues,
 follows the KV-cache manager's tables through every kind of change it reports (growth, copy-on-write,
 fork, swap, free), whatever the order: a stateful random test against the requests' own ``block_ids``,
 for every sequence holding a device row, with fewer device rows than sequences so that rows are taken
@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from jaxpaged.block_table import BlockTable
 from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.sequence_slots import SequenceSlots
 from jaxpaged.request import Request
@@ -28,7 +29,8 @@ class TableCopiesMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]))
     def setup(self, block_size: int) -> None:
         self.kv = KVCacheManager(48, block_size, num_host_blocks=24)
-        self.slots = SequenceSlots(MAX_BLOCKS, capacity=2, num_device_rows=DEVICE_ROWS)
+        self.table = BlockTable(MAX_BLOCKS, DEVICE_ROWS)
+        self.slots = SequenceSlots(self.table, capacity=2)
         self.device = np.zeros((DEVICE_ROWS, MAX_BLOCKS), np.int32)     # what the device would hold
         self.live: list[Request] = []       # requests with a slot
         self.seen: dict[str, list[int]] = {}    # each live table when the runner last looked
@@ -133,20 +135,20 @@ class TableCopiesMachine(RuleBasedStateMachine):
         self.released, self.replaced = [], False
         self.seen = {r.request_id: list(r.block_ids) for r in self.live}
         for req in self.live:
-            assert self.slots.num_blocks[self.slots.slot(req)] == len(req.block_ids)
+            assert self.table.num_blocks[self.slots.slot(req)] == len(req.block_ids)
         assert len(self.slots) == len(self.live)
         self._check_device_rows(self.live)
 
     def _check_device_rows(self, reqs: list[Request]) -> None:
         """Apply the queued writes to the test's device copy: every sequence of ``reqs`` holding a
         device row finds its table there."""
-        writes = self.slots.take_table_writes()
+        writes = self.table.take_writes()
         if writes is not None:
             keys = writes[0] * MAX_BLOCKS + writes[1]
             assert len(set(keys.tolist())) == len(keys)     # a scatter's order among duplicates is undefined
             self.device[writes[0], writes[1]] = writes[2]
         for req in reqs:
-            row = self.slots.device_row[self.slots.slot(req)]
+            row = self.table.device_row[self.slots.slot(req)]
             if row >= 0:
                 assert self.device[row, :len(req.block_ids)].tolist() == req.block_ids, req.request_id
 
@@ -157,7 +159,7 @@ class TableCopiesMachine(RuleBasedStateMachine):
         self.copies_equal_tables()
         running = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=DEVICE_ROWS, unique=True))
         slots = np.array([self.slots.slot(r) for r in running], np.int32)
-        rows = self.slots.device_rows(slots)
+        rows = self.table.device_rows(slots)
         assert len(set(rows.tolist())) == len(rows) and rows.min() >= 0 and rows.max() < DEVICE_ROWS
         self._check_device_rows(running)
 

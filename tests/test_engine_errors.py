@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jaxpaged import LLM, LLMEngine, RequestOutputKind, SamplingParams, model_runner
+from jaxpaged import LLM, RequestOutputKind, SamplingParams, batch_builder
+from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.sequence_slots import SequenceSlots
 from tiny_models import hf_greedy
 
@@ -123,14 +124,14 @@ INJECTIONS = {
     # where: (patch(monkeypatch), the bad request's extra sampling parameters)
     "sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
         SequenceSlots._write_sampling_row, lambda slots, s, r: r)), {}),
-    "penalty lists": (lambda mp: mp.setattr(model_runner, "_host_lists", _fails_for_bad(
-        model_runner._host_lists, after=2)), dict(repetition_penalty=1.3)),
-    "stop check": (lambda mp: mp.setattr(LLMEngine, "_stop_status", staticmethod(_fails_for_bad(
-        LLMEngine._stop_status, after=3))), dict(stop=["never said"])),
-    "detokenizer": (lambda mp: mp.setattr(LLMEngine, "_passed", _fails_for_bad(
-        LLMEngine._passed, lambda eng, r, *_: r, after=2)), dict(output_kind=RequestOutputKind.DELTA)),
-    "output": (lambda mp: mp.setattr(LLMEngine, "_make_output", _fails_for_bad(
-        LLMEngine._make_output, lambda eng, r: r, after=1)), {}),
+    "penalty lists": (lambda mp: mp.setattr(batch_builder, "_host_lists", _fails_for_bad(
+        batch_builder._host_lists, after=2)), dict(repetition_penalty=1.3)),
+    "stop check": (lambda mp: mp.setattr(OutputProcessor, "_stop_status", staticmethod(_fails_for_bad(
+        OutputProcessor._stop_status, after=3))), dict(stop=["never said"])),
+    "detokenizer": (lambda mp: mp.setattr(OutputProcessor, "_passed", _fails_for_bad(
+        OutputProcessor._passed, lambda eng, r, *_: r, after=2)), dict(output_kind=RequestOutputKind.DELTA)),
+    "output": (lambda mp: mp.setattr(OutputProcessor, "_make_output", _fails_for_bad(
+        OutputProcessor._make_output, lambda eng, r: r, after=1)), {}),
     "a fork's sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
         SequenceSlots._write_sampling_row, lambda slots, s, r: r, bad="1_bad")), dict(n=2)),
 }

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.engine import _sample_seed
+from jaxpaged.input_processor import _sample_seed
 from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.scheduler import Scheduler

@@ -11,8 +11,9 @@ import re
 import httpx
 import pytest
 
-from jaxpaged import LLM, LLMEngine, SamplingParams
-from jaxpaged import engine as engine_module
+from jaxpaged import LLM, SamplingParams
+from jaxpaged import detokenizer as detokenizer_module
+from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.sampling_params import ParamError
 from jaxpaged.sequence_slots import SequenceSlots
 from test_server import engine, http, url, wait_until_idle  # noqa: F401  (engine, http, url: the fixtures)
@@ -194,8 +195,8 @@ INJECTIONS = {
     # where: (patch(monkeypatch), the failing requests' extra fields)
     "sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_marked(
         SequenceSlots._write_sampling_row, lambda slots, s, r: r)), {}),
-    "stop check": (lambda mp: mp.setattr(LLMEngine, "_stop_status", staticmethod(_fails_for_marked(
-        LLMEngine._stop_status, lambda r, *_: r, after=2))), {"stop": ["never said"]}),
+    "stop check": (lambda mp: mp.setattr(OutputProcessor, "_stop_status", staticmethod(_fails_for_marked(
+        OutputProcessor._stop_status, lambda r, *_: r, after=2))), {"stop": ["never said"]}),
 }
 
 
@@ -234,13 +235,13 @@ def test_a_request_failing_in_the_engine_gets_a_500_and_the_others_go_on(http, u
 
 def test_a_request_failing_as_it_is_added_gets_a_500_and_the_engine_goes_on(http, url, monkeypatch):
     """Adding is all or nothing: a request whose admission raises is refused alone."""
-    class FailingDetokenizer(engine_module.IncrementalDetokenizer):
+    class FailingDetokenizer(detokenizer_module.IncrementalDetokenizer):
         def __init__(self, tokenizer, prompt_token_ids, *args) -> None:
             if prompt_token_ids[:3] == [7, 7, 7]:
                 raise RuntimeError("injected failure")
             super().__init__(tokenizer, prompt_token_ids, *args)
 
-    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", FailingDetokenizer)
+    monkeypatch.setattr(detokenizer_module, "IncrementalDetokenizer", FailingDetokenizer)
     for stream in (False, True):
         failed = post(http, "/v1/completions", {**COMPLETION, "prompt": [7, 7, 7, 8], "stream": stream})
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error", failed.text

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.model_runner import step_fn
+from jaxpaged.step_programs import step_call
 from jaxpaged.kernels import AttentionMetadata, build_prefill_tiles
 from tiny_models import random_prompts
 
@@ -144,9 +144,10 @@ def test_step_communicates_only_reductions_and_the_logits_gather(run):
     tile_row, tile_start, tile_len = build_prefill_tiles(qsl, 16, 4)
     md = AttentionMetadata(np.arange(T, dtype=np.int32), np.zeros((R, W), np.int32),
                            np.array([10, 6] + [0] * 6, np.int32), qsl, tile_row, tile_start, tile_len, 16)
-    hlo = step_fn.lower(runner.model.module, runner.model.params, runner.kv_pages, np.zeros(T, np.int32),
-                        np.zeros(T, np.int32), md, np.zeros(R, np.int32), np.full(T, -1, np.int32),
-                        np.zeros(runner.max_rows, np.int32), np.int32(R)).compile().as_text()
+    fn, args = step_call(runner.model.module, runner.model.params, runner.kv_pages, np.zeros(T, np.int32),
+                         np.zeros(T, np.int32), md, np.zeros(R, np.int32), np.full(T, -1, np.int32),
+                         np.zeros(runner.max_rows, np.int32), np.int32(R))
+    hlo = fn.lower(*args).compile().as_text()
     ops = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
                      hlo)
     num_layers = runner.model.module.cfg.num_layers

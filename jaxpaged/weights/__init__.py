@@ -7,12 +7,12 @@ from typing import Any
 
 from jaxpaged.weights.gguf_loader import load_gguf
 from jaxpaged.weights.hf import load_hf
-from jaxpaged.weights.orbax_checkpoint import abstract_params, convert_checkpoint, load_orbax, save_orbax
+from jaxpaged.weights.orbax_checkpoint import abstract_params, load_orbax, save_orbax
 from jaxpaged.weights.resolve import (DEFAULT_MODEL_ALIAS, MODEL_CARD, AffineBlocks, Checkpoint, is_orbax_checkpoint,
                                       resolve_model_path)
 
-__all__ = ["DEFAULT_MODEL_ALIAS", "MODEL_CARD", "AffineBlocks", "Checkpoint", "abstract_params", "convert_checkpoint",
-           "is_orbax_checkpoint", "load_checkpoint", "load_orbax", "resolve_model_path", "save_orbax"]
+__all__ = ["DEFAULT_MODEL_ALIAS", "MODEL_CARD", "AffineBlocks", "Checkpoint", "abstract_params", "is_orbax_checkpoint",
+           "load_checkpoint", "load_orbax", "resolve_model_path", "save_orbax"]
 
 
 def load_checkpoint(model: str, dtype: Any = None, revision: str | None = None,

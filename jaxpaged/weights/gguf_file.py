@@ -20,6 +20,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from jaxpaged.math_utils import cdiv
+
 _MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
@@ -63,7 +65,7 @@ class GGUFFile:
             dims = [self._scalar("Q") for _ in range(self._scalar("I"))]
             infos.append((name, tuple(reversed(dims)), gguf.GGMLQuantizationType(self._scalar("I")), self._scalar("Q")))
         alignment = int(self.fields.get("general.alignment", 32))
-        start = -(-self._pos // alignment) * alignment
+        start = cdiv(self._pos, alignment) * alignment
         self.tensors = [GGUFTensor(name, shape, qtype, self._tensor_data(start + offset, shape, qtype))
                         for name, shape, qtype, offset in infos]
 

@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import pathlib
-import shutil
 import sys
 import time
 import types
@@ -33,17 +32,15 @@ import jax.numpy as jnp
 import transformers
 from flax import traverse_util
 
-from jaxpaged.weights.resolve import MODEL_CARD, ORBAX_PARAMS_DIR, Checkpoint
+from jaxpaged.math_utils import cdiv
 from jaxpaged.models.decoder import param_shapes
-from jaxpaged.models.registry import build_model, config_from_hf, supported_architectures
+from jaxpaged.models.registry import config_from_hf, supported_architectures
+from jaxpaged.weights.resolve import MODEL_CARD, ORBAX_PARAMS_DIR, Checkpoint
 
 FORMAT = "jaxpaged-orbax"
 FORMAT_VERSION = 1
 _CHUNK_BYTES = 32 * 2**20
 _CARD_KEYS = ("format", "format_version", "architecture", "hf_config", "dtype", "params")
-# Files of an HF tokenizer directory (the weights and config.json are not copied).
-_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                    "*.model", "chat_template.*", "generation_config.json")
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -175,7 +172,7 @@ def _check_data_files(params_dir: pathlib.Path, names: list[str]) -> None:
             continue    # not a zarr array as we write them: the restore reports what is wrong
         if meta.get("compressor") is not None:
             continue
-        for index in itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunks))):
+        for index in itertools.product(*(range(cdiv(n, c)) for n, c in zip(shape, chunks))):
             file = array_dir / (sep.join(map(str, index)) or "0")
             size = file.stat().st_size if file.is_file() else None
             if size != nbytes:
@@ -290,44 +287,4 @@ def save_orbax(output: str | pathlib.Path, params: Any, hf_config: Any, source: 
         "params": _param_card(params),
     }
     (output / MODEL_CARD).write_text(json.dumps(card, indent=1) + "\n")
-    return output
-
-
-def save_tokenizer(source: pathlib.Path, output: pathlib.Path) -> list[str]:
-    """Put the source's tokenizer into ``output`` as HF tokenizer files; returns the file names."""
-    if source.is_dir():
-        files = sorted({f for pattern in _TOKENIZER_GLOBS for f in source.glob(pattern) if f.is_file()})
-        for f in files:
-            shutil.copy2(f, output / f.name)
-        return [f.name for f in files]
-    from jaxpaged.tokenizer import Tokenizer   # a GGUF's embedded tokenizer, built from its metadata
-
-    return [pathlib.Path(f).name for f in Tokenizer.load(source).hf.save_pretrained(output)]
-
-
-def convert_checkpoint(model: str, output: str | pathlib.Path, dtype: str = "float32") -> pathlib.Path:
-    """``jaxpaged convert``: any model argument (alias, HF dir, GGUF, orbax dir) -> an orbax checkpoint.
-
-    Loads through the format's loader, maps to our param tree with ``build_model`` (cast to
-    ``dtype``), and writes params, model card and tokenizer. Removes ``output`` again on failure.
-    """
-    from jaxpaged.weights import load_checkpoint   # the package imports this module
-
-    output = pathlib.Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"output {output} already exists and is not an empty directory; choose a new one.")
-    target = jnp.dtype(dtype)
-    ckpt = load_checkpoint(model, dtype=target)
-    params = ckpt.params
-    if params is None:
-        params = build_model(ckpt.config, ckpt.tensors, target, "xla").params
-        ckpt.tensors.clear()
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        if not save_tokenizer(ckpt.path, output):
-            raise ValueError(f"{ckpt.path} has no tokenizer files; jaxpaged checkpoints carry their tokenizer.")
-        save_orbax(output, params, ckpt.config, source=str(ckpt.path))
-    except BaseException:
-        shutil.rmtree(output, ignore_errors=True)
-        raise
     return output
