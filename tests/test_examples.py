@@ -18,7 +18,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def test_async_streams_interleaves_two_greedy_streams(tiny):
     """Two streams of one ``AsyncLLMEngine`` in a plain asyncio program: each stream's deltas add up to its
-    final text, which is transformers' greedy continuation; the streams' lines interleave (batched together)."""
+    final text, which is transformers' greedy continuation. (How their lines interleave depends on timing: a
+    reader that falls behind gets its deltas merged, so the test does not ask for it.)"""
     max_tokens = 8
     proc = subprocess.run([sys.executable, str(EXAMPLES / "async_streams.py"), "--model", str(tiny[0]),
                            "--max-tokens", str(max_tokens)], capture_output=True, text=True, timeout=300,
@@ -30,8 +31,6 @@ def test_async_streams_interleaves_two_greedy_streams(tiny):
     finals = {m[1]: (ast.literal_eval(m[2]), ast.literal_eval(m[3]))
               for m in (re.fullmatch(r"=== (stream-[ab]): (.*) -> (.*)", line) for line in lines) if m}
     assert set(finals) == {"stream-a", "stream-b"}
-    order = [rid for rid, _ in deltas]
-    assert order.index("stream-b") < len(order) - 1 - order[::-1].index("stream-a")      # interleaved
     tokenizer = AutoTokenizer.from_pretrained(tiny[0])
     for rid, (prompt, text) in finals.items():
         assert "".join(d for r, d in deltas if r == rid) == text
