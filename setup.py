@@ -39,17 +39,31 @@ def _native_extension(name: str) -> Extension:
     return Extension(
         f"jaxpaged.kernels.{name}",
         sources=[f"pallas_kernels/csrc/{name.lstrip('_')}.cc"],
-        depends=["pallas_kernels/csrc/bf16.h", "pallas_kernels/csrc/vec16.h", "pallas_kernels/csrc/stacked.h"],
+        depends=[
+            "pallas_kernels/csrc/bf16.h",
+            "pallas_kernels/csrc/vec16.h",
+            "pallas_kernels/csrc/stacked.h",
+        ],
         include_dirs=[_ffi_include_dir()],
         language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off",
-                            "-Wno-attributes", "-Wno-return-type"],
+        extra_compile_args=[
+            "-std=c++17",
+            "-O3",
+            "-march=native",
+            "-fopenmp-simd",
+            "-ffp-contract=off",
+            "-Wno-attributes",
+            "-Wno-return-type",
+        ],
         optional=True,
     )
 
 
 setup(
-    ext_modules=[_native_extension("_paged_attention_cpu"), _native_extension("_matmul_cpu"),
-                 _native_extension("_layer_ops_cpu")],
+    ext_modules=[
+        _native_extension("_paged_attention_cpu"),
+        _native_extension("_matmul_cpu"),
+        _native_extension("_layer_ops_cpu"),
+    ],
     cmdclass={"build_ext": BuildSharedLibrary},
 )

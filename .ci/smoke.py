@@ -27,10 +27,17 @@ def _get(path: str) -> int:
 
 
 def _chat() -> dict:
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": QUESTION}],
-            "max_tokens": 32, "temperature": 0}
-    req = urllib.request.Request(URL + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        URL + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 
@@ -41,7 +48,9 @@ def main(command: list[str]) -> int:
     try:
         while _get("/health") != 200:
             if server.poll() is not None:
-                print(f"smoke: the server exited with {server.returncode} before it listened", file=sys.stderr)
+                print(
+                    f"smoke: the server exited with {server.returncode} before it listened", file=sys.stderr
+                )
                 return 1
             if time.monotonic() - started > START_TIMEOUT_S:
                 print(f"smoke: the server did not listen within {START_TIMEOUT_S} s", file=sys.stderr)

@@ -44,9 +44,20 @@ def build(out_dir: Path) -> Path:
     import jaxlib
 
     exe = out_dir / "ceiling"
-    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-Wno-attributes",
-           f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", str(ROOT / "benchmarks" / "ceiling.cc"),
-           "-o", str(exe), "-lpthread"]
+    cmd = [
+        os.environ.get("CXX", "c++"),
+        "-std=c++17",
+        "-O3",
+        "-march=native",
+        "-fopenmp-simd",
+        "-Wno-attributes",
+        f"-I{Path(jaxlib.__file__).parent / 'include'}",
+        f"-I{ROOT}",
+        str(ROOT / "benchmarks" / "ceiling.cc"),
+        "-o",
+        str(exe),
+        "-lpthread",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"building {cmd[-4]} failed:\n{done.stderr}")
@@ -74,8 +85,13 @@ def chain_gflops(m: int, iters: int = 9) -> float:
 
     rng = np.random.default_rng(0)
     layer_shapes = SHAPES[:4]
-    packed = [[jnp.asarray(pack_weight(rng.standard_normal(s, dtype=np.float32) / 30, np.float32))
-               for s in layer_shapes] for _ in range(30)]
+    packed = [
+        [
+            jnp.asarray(pack_weight(rng.standard_normal(s, dtype=np.float32) / 30, np.float32))
+            for s in layer_shapes
+        ]
+        for _ in range(30)
+    ]
     head = jnp.asarray(pack_weight(rng.standard_normal(SHAPES[4], dtype=np.float32) / 30, np.float32))
 
     @jax.jit
@@ -116,27 +132,61 @@ def main(argv: list[str] | None = None) -> int:
             for k, n in SHAPES:
                 for _, m, _, _, dense_ms, quant_ms in run(exe, "gemm", int(not args.hot), k, n, *ms):
                     times.setdefault((int(m), k, n), []).append((float(dense_ms), float(quant_ms)))
-    rows = [{"m": m, "k": k, "n": n, "dense_ms": statistics.median(d for d, _ in v),
-             "q4_ms": statistics.median(q for _, q in v)} for (m, k, n), v in sorted(times.items(), key=_shape_order)]
+    rows = [
+        {
+            "m": m,
+            "k": k,
+            "n": n,
+            "dense_ms": statistics.median(d for d, _ in v),
+            "q4_ms": statistics.median(q for _, q in v),
+        }
+        for (m, k, n), v in sorted(times.items(), key=_shape_order)
+    ]
     top = peak[max(peak)]
-    print(f"fused multiply-add peak: {', '.join(f'{v:.1f} GFLOP/s on {t} thread(s)' for t, v in peak.items())}")
+    print(
+        f"fused multiply-add peak: {', '.join(f'{v:.1f} GFLOP/s on {t} thread(s)' for t, v in peak.items())}"
+    )
     print(f"streaming read: {', '.join(f'{v:.1f} GB/s on {t} thread(s)' for t, v in bandwidth.items())}")
-    print(f"native float32 matmul, called directly on a 2-thread pool, weights {'from cache' if args.hot else 'from memory'}")
+    print(
+        f"native float32 matmul, called directly on a 2-thread pool, weights {'from cache' if args.hot else 'from memory'}"
+    )
     table = []
     for r in rows:
         flop = 2.0 * r["m"] * r["k"] * r["n"]
         r["dense_gflops"], r["q4_gflops"] = flop / r["dense_ms"] / 1e6, flop / r["q4_ms"] / 1e6
         r["dense_weight_gbs"] = r["k"] * r["n"] * 4 / r["dense_ms"] / 1e6
-        table.append((f"{r['m']} x {r['k']} x {r['n']}", r["dense_ms"], round(r["dense_gflops"], 1),
-                      f"{100 * r['dense_gflops'] / top:.0f}%", round(r["dense_weight_gbs"], 1), r["q4_ms"],
-                      round(r["q4_gflops"], 1), f"{100 * r['q4_gflops'] / top:.0f}%"))
-    print_table(("M x K x N", "dense ms", "GFLOP/s", "of peak", "weight GB/s", "q4 ms", "q4 GFLOP/s", "of peak"),
-                table, widths=(20, 10, 9, 8, 12, 9, 11, 8))
+        table.append(
+            (
+                f"{r['m']} x {r['k']} x {r['n']}",
+                r["dense_ms"],
+                round(r["dense_gflops"], 1),
+                f"{100 * r['dense_gflops'] / top:.0f}%",
+                round(r["dense_weight_gbs"], 1),
+                r["q4_ms"],
+                round(r["q4_gflops"], 1),
+                f"{100 * r['q4_gflops'] / top:.0f}%",
+            )
+        )
+    print_table(
+        ("M x K x N", "dense ms", "GFLOP/s", "of peak", "weight GB/s", "q4 ms", "q4 GFLOP/s", "of peak"),
+        table,
+        widths=(20, 10, 9, 8, 12, 9, 11, 8),
+    )
     in_xla = {m: chain_gflops(m) for m in ms if m >= 8}
-    print("the same kernel inside XLA, SmolLM2's 30 layers of projections and its LM head in one jitted program: "
-          + ", ".join(f"{v:.1f} GFLOP/s ({100 * v / top:.0f}%) at {m} rows" for m, v in in_xla.items()))
-    write_json("ceiling", {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "hot": args.hot, "gemm": rows,
-                           "in_xla_gflops": in_xla})
+    print(
+        "the same kernel inside XLA, SmolLM2's 30 layers of projections and its LM head in one jitted program: "
+        + ", ".join(f"{v:.1f} GFLOP/s ({100 * v / top:.0f}%) at {m} rows" for m, v in in_xla.items())
+    )
+    write_json(
+        "ceiling",
+        {
+            "peak_gflops": peak,
+            "bandwidth_gbs": bandwidth,
+            "hot": args.hot,
+            "gemm": rows,
+            "in_xla_gflops": in_xla,
+        },
+    )
     fig, (ax,) = new_figure()
     for k, n in SHAPES:
         pts = [r for r in rows if (r["k"], r["n"]) == (k, n)]

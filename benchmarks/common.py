@@ -15,8 +15,10 @@ RESULTS = Path(__file__).parent / "results"
 COLD_BYTES = 96 << 20
 """What a benchmark cycles through to time an operand read from memory, as a model step reads it, rather
 than from the last-level cache (3x the 32 MiB L3 of the largest one measured on)."""
-UNDER_LOAD = ("timings measured on a shared 2-core CPU under load from other jobs: compare rows of one run, "
-              "not runs of different days")
+UNDER_LOAD = (
+    "timings measured on a shared 2-core CPU under load from other jobs: compare rows of one run, "
+    "not runs of different days"
+)
 
 
 def write_json(name: str, data: dict) -> Path:
@@ -62,13 +64,15 @@ def percentiles(values: Sequence[float], ps: Sequence[float] = (50, 90, 99)) -> 
 def print_table(header: Sequence[str], rows: Sequence[Sequence], widths: Sequence[int] | None = None) -> None:
     """Right-aligned columns, one space apart even when a value overflows its width; floats with 3 decimals."""
     widths = widths or [max(10, len(h) + 2) for h in header]
-    cell = (lambda v, w: f"{v:>{w}.3f}" if isinstance(v, float) else f"{v!s:>{w}}")
+    cell = lambda v, w: f"{v:>{w}.3f}" if isinstance(v, float) else f"{v!s:>{w}}"
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
     for row in rows:
         print(" ".join(cell(v, w) for v, w in zip(row, widths)))
 
 
-def tiny_model_dir(vocab_size: int = 384, path: Path | None = None, max_positions: int = 512, **shape) -> Path:
+def tiny_model_dir(
+    vocab_size: int = 384, path: Path | None = None, max_positions: int = 512, **shape
+) -> Path:
     """Save a random tiny Llama (2 layers, hidden 64, ``max_positions`` positions, ``LlamaConfig`` fields
     in ``shape`` overriding these) with the tests' byte-level BPE tokenizer, and return its directory.
     Needs torch (the ``test`` extra)."""

@@ -60,67 +60,124 @@ import numpy as np
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5, tie_word_embeddings=True,
-                     max_position_embeddings=8192, rms_norm_eps=1e-5)
-TINY_SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-HEADS = dict(q_heads=9, kv_heads=3, head_dim=64)   # SmolLM2-135M's attention
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rope_theta=1e5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+)
+TINY_SHAPE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+HEADS = dict(q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M's attention
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The sizes of one run: a GPU's, or the dry run's (tiny, for a CPU)."""
 
-    big_model: dict                 # LlamaConfig fields of the "SmolLM2-shaped" model
-    kernel_shapes: tuple            # (name, ((query tokens, context), ...)) timed per call
+    big_model: dict  # LlamaConfig fields of the "SmolLM2-shaped" model
+    kernel_shapes: tuple  # (name, ((query tokens, context), ...)) timed per call
     copy_bytes: int
     greedy_prompts: int
     greedy_tokens: int
-    n: int                          # throughput requests
+    n: int  # throughput requests
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_memory: int
-    profile_n: int                  # requests of the traced pass (idle share)
+    profile_n: int  # requests of the traced pass (idle share)
     hf_n: int
     hf_batch: int
-    pallas: str                     # the Pallas attention backend's name
-    interpret: bool                 # kernel checks interpret the Pallas kernel (GPU variant)
-    cases: tuple[str, ...] | None   # the kernel tests' cases checked (None: all)
+    pallas: str  # the Pallas attention backend's name
+    interpret: bool  # kernel checks interpret the Pallas kernel (GPU variant)
+    cases: tuple[str, ...] | None  # the kernel tests' cases checked (None: all)
     timed_calls: tuple[int, float]  # per kernel shape: calls at least, and more until this many seconds
-    lengths: dict                   # ``benchmarks.workload.synthetic``'s length parameters
+    lengths: dict  # ``benchmarks.workload.synthetic``'s length parameters
     max_model_len: int
-    scan_steps: tuple               # layer_scan's forward programs: (name, rows, tokens per row, context)
+    scan_steps: tuple  # layer_scan's forward programs: (name, rows, tokens per row, context)
     scan_attention: str
 
 
 def gpu_plan(quick: bool) -> Plan:
     """The issue's sizes: the throughput workload of 1024 requests (``--quick``: 512) and the kernel
     shapes measured before (decode 256 x 512 and 64 x 2048, prefill 4 x 512, mixed)."""
-    return Plan(big_model=SMOLLM2_SHAPE,
-                kernel_shapes=(("decode 256 x 512", ((1, 512),) * 256), ("decode 64 x 2048", ((1, 2048),) * 64),
-                               ("prefill 4 x 512", ((512, 512),) * 4),
-                               ("mixed 128 x 1024 + 2 x 256", ((1, 1024),) * 128 + ((256, 256),) * 2)),
-                copy_bytes=1 << 30, greedy_prompts=8 if not quick else 4, greedy_tokens=24 if not quick else 16,
-                n=1024 if not quick else 512, max_num_seqs=256, max_num_batched_tokens=2048,
-                kv_cache_memory=8 << 30, profile_n=128, hf_n=256 if not quick else 64, hf_batch=64,
-                pallas="pallas", interpret=False, cases=None, timed_calls=(3, 0.2), lengths={}, max_model_len=512,
-                scan_steps=(("decode 256 x 512", 256, 1, 512), ("prefill 4 x 512", 4, 512, 512)),
-                scan_attention="pallas")
+    return Plan(
+        big_model=SMOLLM2_SHAPE,
+        kernel_shapes=(
+            ("decode 256 x 512", ((1, 512),) * 256),
+            ("decode 64 x 2048", ((1, 2048),) * 64),
+            ("prefill 4 x 512", ((512, 512),) * 4),
+            ("mixed 128 x 1024 + 2 x 256", ((1, 1024),) * 128 + ((256, 256),) * 2),
+        ),
+        copy_bytes=1 << 30,
+        greedy_prompts=8 if not quick else 4,
+        greedy_tokens=24 if not quick else 16,
+        n=1024 if not quick else 512,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        kv_cache_memory=8 << 30,
+        profile_n=128,
+        hf_n=256 if not quick else 64,
+        hf_batch=64,
+        pallas="pallas",
+        interpret=False,
+        cases=None,
+        timed_calls=(3, 0.2),
+        lengths={},
+        max_model_len=512,
+        scan_steps=(("decode 256 x 512", 256, 1, 512), ("prefill 4 x 512", 4, 512, 512)),
+        scan_attention="pallas",
+    )
 
 
 def dry_plan() -> Plan:
     """Tiny sizes that run every section on a CPU in about a minute."""
-    big = dict(TINY_SHAPE, vocab_size=512, hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
-               num_hidden_layers=2, tie_word_embeddings=True)
-    return Plan(big_model=big, kernel_shapes=(("decode 4 x 40", ((1, 40),) * 4),
-                                              ("mixed 3 x 50 + 1 x 20", ((1, 50),) * 3 + ((20, 20),))),
-                copy_bytes=16 << 20, greedy_prompts=2, greedy_tokens=5, n=12, max_num_seqs=4,
-                max_num_batched_tokens=64, kv_cache_memory=4 << 20, profile_n=4, hf_n=4, hf_batch=4,
-                pallas="pallas_interpret", interpret=True,
-                cases=("mixed-bs8-d64-gqa1", "window-bs16-d64-gqa3", "bf16-mixed-bs16-d128-gqa4"), timed_calls=(1, 0.0),
-                lengths=dict(prompt_mean=16, output_mean=16, max_total=64), max_model_len=64,
-                scan_steps=(("decode 4 x 40", 4, 1, 40),), scan_attention="xla")
+    big = dict(
+        TINY_SHAPE,
+        vocab_size=512,
+        hidden_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+    )
+    return Plan(
+        big_model=big,
+        kernel_shapes=(
+            ("decode 4 x 40", ((1, 40),) * 4),
+            ("mixed 3 x 50 + 1 x 20", ((1, 50),) * 3 + ((20, 20),)),
+        ),
+        copy_bytes=16 << 20,
+        greedy_prompts=2,
+        greedy_tokens=5,
+        n=12,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_memory=4 << 20,
+        profile_n=4,
+        hf_n=4,
+        hf_batch=4,
+        pallas="pallas_interpret",
+        interpret=True,
+        cases=("mixed-bs8-d64-gqa1", "window-bs16-d64-gqa3", "bf16-mixed-bs16-d128-gqa4"),
+        timed_calls=(1, 0.0),
+        lengths=dict(prompt_mean=16, output_mean=16, max_total=64),
+        max_model_len=64,
+        scan_steps=(("decode 4 x 40", 4, 1, 40),),
+        scan_attention="xla",
+    )
 
 
 @dataclasses.dataclass
@@ -244,8 +301,12 @@ def section_device(run: Run) -> dict:
     import jax
 
     d = jax.devices()[0]
-    return {"platform": d.platform, "device": d.device_kind, "jax": jax.__version__,
-            "copy_gb_s": copy_bandwidth(run.plan.copy_bytes) / 1e9}
+    return {
+        "platform": d.platform,
+        "device": d.device_kind,
+        "jax": jax.__version__,
+        "copy_gb_s": copy_bandwidth(run.plan.copy_bytes) / 1e9,
+    }
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -281,8 +342,17 @@ def section_kernel_correctness(run: Run) -> dict:
         atol, rtol = (1e-5, 1e-5) if case.dtype == "float32" else (2e-2, 1e-2)
         err, ok = max_error(out, ref, atol, rtol)
         dirty = np.asarray(kernel(b.q, b.kv_poisoned, layer, b.md), np.float32)
-        rows.append({"case": name, "dtype": case.dtype, "max_abs_err": err, "atol": atol, "rtol": rtol,
-                     "match": ok, "nan_safe": bool(np.array_equal(dirty, out))})
+        rows.append(
+            {
+                "case": name,
+                "dtype": case.dtype,
+                "max_abs_err": err,
+                "atol": atol,
+                "rtol": rtol,
+                "match": ok,
+                "nan_safe": bool(np.array_equal(dirty, out)),
+            }
+        )
     return {"cases": rows, "all_match": all(r["match"] and r["nan_safe"] for r in rows)}
 
 
@@ -326,7 +396,11 @@ def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[list[int], li
             top2 = torch.topk(lp, 2).values
             tokens.append(int(torch.argmax(lp)))
             margins.append(float(top2[0] - top2[1]))
-            out = hf(torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values, use_cache=True)
+            out = hf(
+                torch.tensor([[tokens[-1]]], device=device),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
     return tokens, margins
 
 
@@ -350,11 +424,24 @@ def engine_greedy(path: Path, prompt_ids: list[list[int]], n: int, attention: st
     """The engine's float32 greedy tokens (EOS ignored) for ``prompt_ids``, compiling only the programs it runs."""
     from jaxpaged import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype="float32", attention_backend=attention, block_size=16, max_model_len=64,
-              max_num_seqs=len(prompt_ids), max_num_batched_tokens=256, kv_cache_memory=64 << 20, precompile=False,
-              enable_prefix_caching=False, cache_dir=None)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        attention_backend=attention,
+        block_size=16,
+        max_model_len=64,
+        max_num_seqs=len(prompt_ids),
+        max_num_batched_tokens=256,
+        kv_cache_memory=64 << 20,
+        precompile=False,
+        enable_prefix_caching=False,
+        cache_dir=None,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -364,7 +451,7 @@ def greedy_agreement(run: Run, name: str, backends: tuple[str, ...]) -> dict:
 
     path, hf = model(run, name)
     device = torch_device(run)
-    torch.set_float32_matmul_precision("highest")   # no TF32 in HF's float32 matmuls
+    torch.set_float32_matmul_precision("highest")  # no TF32 in HF's float32 matmuls
     torch.backends.cudnn.allow_tf32 = False
     hf = hf.to(device)
     ids = prompts(run.plan.greedy_prompts, 350 if name == "small" else hf.config.vocab_size)
@@ -402,9 +489,16 @@ def step_inputs(rows: int, tokens: int, context: int, block_size: int = 16):
     row = np.repeat(np.arange(rows, dtype=np.int32), tokens)
     tables = 1 + np.arange(rows * W, dtype=np.int32).reshape(rows, W)
     tiles = build_prefill_tiles(qsl, 32, num_prefill_tiles(qsl, 32))
-    md = AttentionMetadata(slot_mapping=tables[row, pos // block_size] * block_size + pos % block_size,
-                           block_tables=tables, seq_lens=np.full(rows, context, np.int32), query_start_loc=qsl,
-                           tile_row=tiles[0], tile_start=tiles[1], tile_len=tiles[2], tile_size=32)
+    md = AttentionMetadata(
+        slot_mapping=tables[row, pos // block_size] * block_size + pos % block_size,
+        block_tables=tables,
+        seq_lens=np.full(rows, context, np.int32),
+        query_start_loc=qsl,
+        tile_row=tiles[0],
+        tile_start=tiles[1],
+        tile_len=tiles[2],
+        tile_size=32,
+    )
     return np.arange(T, dtype=np.int32) % 1000 + 32, pos, md, qsl[1:] - 1, rows * W + 1
 
 
@@ -427,8 +521,10 @@ def section_layer_scan(run: Run) -> dict:
         row = {"step": name}
         for scan, params in ((False, per_layer), (True, jax.device_put(stack_layers(per_layer, cfg)))):
             kv = jnp.zeros((cfg.num_layers, 2, num_blocks, 16, cfg.num_kv_heads, cfg.head_dim), dtype)
-            fn = jax.jit(DecoderForCausalLM(cfg, dtype, run.plan.scan_attention, scan_layers=scan).apply,
-                         donate_argnums=(3,))
+            fn = jax.jit(
+                DecoderForCausalLM(cfg, dtype, run.plan.scan_attention, scan_layers=scan).apply,
+                donate_argnums=(3,),
+            )
             t = time.perf_counter()
             compiled = fn.lower({"params": params}, ids, pos, kv, md, last).compile()
             key = "scan" if scan else "unrolled"
@@ -438,6 +534,7 @@ def section_layer_scan(run: Run) -> dict:
             def call(_, compiled=compiled, params=params, state=state):
                 logits, state["kv"] = compiled({"params": params}, ids, pos, state["kv"], md, last)
                 return logits
+
             row[f"{key}_step_ms"] = 1e3 * _time_call(call, *run.plan.timed_calls)
             del params, state
         rows.append(row)
@@ -450,10 +547,16 @@ def section_layer_scan(run: Run) -> dict:
 def throughput_engine_args(run: Run) -> dict:
     """The bfloat16 SmolLM2-shaped engine of the start-up and throughput sections."""
     p = run.plan
-    return dict(model=str(model(run, "big")[0]), dtype="bfloat16", max_num_seqs=p.max_num_seqs,
-                max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len,
-                kv_cache_memory=p.kv_cache_memory,
-                enable_prefix_caching=False, cache_dir=str(run.cache_dir))
+    return dict(
+        model=str(model(run, "big")[0]),
+        dtype="bfloat16",
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        max_model_len=p.max_model_len,
+        kv_cache_memory=p.kv_cache_memory,
+        enable_prefix_caching=False,
+        cache_dir=str(run.cache_dir),
+    )
 
 
 def device_idle_share(trace_dir: Path, wall_s: float) -> float | None:
@@ -462,14 +565,20 @@ def device_idle_share(trace_dir: Path, wall_s: float) -> float | None:
     import gzip
 
     trace = json.load(gzip.open(sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))[-1]))
-    devices = {e["pid"] for e in trace["traceEvents"]
-               if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")}
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-                   if e.get("ph") == "X" and e["pid"] in devices)
+    devices = {
+        e["pid"]
+        for e in trace["traceEvents"]
+        if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
+    }
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e["pid"] in devices
+    )
     if not spans:
         return None
     busy, end = 0.0, -np.inf
-    for start, stop in spans:      # the union of the spans
+    for start, stop in spans:  # the union of the spans
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return max(0.0, 1.0 - busy / 1e6 / wall_s)
@@ -505,19 +614,30 @@ def section_throughput(run: Run) -> dict:
         t = time.perf_counter()
         llm = LLM(**args)
         start_s = time.perf_counter() - t
-    jaxpaged_round(llm, reqs[:run.plan.max_num_seqs // 4], "warm-up")
+    jaxpaged_round(llm, reqs[: run.plan.max_num_seqs // 4], "warm-up")
     with CompileCounter() as timed:
         seconds = jaxpaged_round(llm, reqs, "timed")
     out_tokens = sum(r.output_len for r in reqs)
-    out = {"engine_args": {k: v for k, v in args.items() if k != "model"}, "requests": len(reqs),
-           "startup": {"total_s": start_s, "load_s": llm.engine.load_time, "precompile_s": llm.engine.warmup_time,
-                       "step_programs": llm.engine.runner.num_compiled_programs, **start.summary()},
-           "seconds": seconds, "output_tokens": out_tokens, "output_tok_s": out_tokens / seconds,
-           "req_s": len(reqs) / seconds, "programs_compiled_while_timed": timed.summary()["programs"],
-           "preemptions": llm.engine.scheduler.num_preemptions}
+    out = {
+        "engine_args": {k: v for k, v in args.items() if k != "model"},
+        "requests": len(reqs),
+        "startup": {
+            "total_s": start_s,
+            "load_s": llm.engine.load_time,
+            "precompile_s": llm.engine.warmup_time,
+            "step_programs": llm.engine.runner.num_compiled_programs,
+            **start.summary(),
+        },
+        "seconds": seconds,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / seconds,
+        "req_s": len(reqs) / seconds,
+        "programs_compiled_while_timed": timed.summary()["programs"],
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
     if run.left() > 30:
         try:
-            out["traced"] = traced_pass(llm, reqs[:run.plan.profile_n], run.work)
+            out["traced"] = traced_pass(llm, reqs[: run.plan.profile_n], run.work)
         except Exception as e:  # the trace is a bonus: its failure keeps the figures above
             traceback.print_exc()
             out["traced"] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -532,14 +652,24 @@ def startup_child(engine_args: dict) -> dict:
         t = time.perf_counter()
         llm = LLM(**engine_args)
         total = time.perf_counter() - t
-    return {"total_s": total, "load_s": llm.engine.load_time, "precompile_s": llm.engine.warmup_time,
-            "step_programs": llm.engine.runner.num_compiled_programs, **counter.summary()}
+    return {
+        "total_s": total,
+        "load_s": llm.engine.load_time,
+        "precompile_s": llm.engine.warmup_time,
+        "step_programs": llm.engine.runner.num_compiled_programs,
+        **counter.summary(),
+    }
 
 
 def start_in_new_process(run: Run, engine_args: dict) -> dict:
     """``startup_child`` in a new Python process (as a user starts the engine), within the budget."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--startup-child", json.dumps(engine_args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, run.left()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--startup-child", json.dumps(engine_args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=max(30.0, run.left()),
+    )
     if proc.returncode:
         raise RuntimeError(f"the engine's process failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -561,15 +691,20 @@ def hf_static(hf, reqs, batch_size: int, device: str, deadline: float) -> dict:
     done, useful, t = 0, 0, time.perf_counter()
     with torch.no_grad():
         while done < len(reqs) and (done == 0 or time.perf_counter() < deadline):
-            batch = reqs[done:done + batch_size]
+            batch = reqs[done : done + batch_size]
             longest = max(len(r.prompt_token_ids) for r in batch)
             ids = torch.zeros((len(batch), longest), dtype=torch.long)
             mask = torch.zeros_like(ids)
             for j, r in enumerate(batch):
-                ids[j, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[j, longest - len(r.prompt_token_ids):] = 1
-            hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, pad_token_id=0,
-                        max_new_tokens=max(r.output_len for r in batch))
+                ids[j, longest - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                mask[j, longest - len(r.prompt_token_ids) :] = 1
+            hf.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=False,
+                pad_token_id=0,
+                max_new_tokens=max(r.output_len for r in batch),
+            )
             done += len(batch)
             useful += sum(r.output_len for r in batch)
     seconds = time.perf_counter() - t
@@ -584,10 +719,12 @@ def section_hf_static(run: Run) -> dict:
     from benchmarks.workload import synthetic
 
     device = torch_device(run)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model(run, "big")[0], dtype=torch.bfloat16).to(device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model(run, "big")[0], dtype=torch.bfloat16).to(
+        device
+    )
     hf.generation_config.eos_token_id = None
     reqs = synthetic(run.plan.hf_n, seed=0, vocab_size=run.plan.big_model["vocab_size"], **run.plan.lengths)
-    hf_static(hf, reqs[:2], 2, device, 0.0)   # warm-up: CUDA kernels and caches
+    hf_static(hf, reqs[:2], 2, device, 0.0)  # warm-up: CUDA kernels and caches
     return hf_static(hf, reqs, run.plan.hf_batch, device, time.perf_counter() + max(10.0, run.left() - 15))
 
 
@@ -613,7 +750,10 @@ def run_section(run: Run, name: str) -> None:
     fn, needs = SECTIONS[name]
     sections = run.results["sections"]
     if not run.dry_run and run.left() < needs:
-        sections[name] = {"status": "skipped", "reason": f"{run.left():.0f} s left of the budget, needs ~{needs} s"}
+        sections[name] = {
+            "status": "skipped",
+            "reason": f"{run.left():.0f} s left of the budget, needs ~{needs} s",
+        }
     else:
         print(f"== {name} ({run.left():.0f} s left)", flush=True)
         t = time.perf_counter()
@@ -644,50 +784,104 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     rows = []
     for name, sec in s.items():
         if sec["status"] != "ok":
-            rows.append((name, sec["status"], sec.get("reason") or sec.get("error", "").splitlines()[0][:100]))
+            rows.append(
+                (name, sec["status"], sec.get("reason") or sec.get("error", "").splitlines()[0][:100])
+            )
     dev = s.get("device", {})
     if dev.get("status") == "ok":
-        rows.append(("device", dev["device"], f"jax {dev['jax']}, copy {dev['copy_gb_s']:.0f} GB/s (read + write)"))
+        rows.append(
+            ("device", dev["device"], f"jax {dev['jax']}, copy {dev['copy_gb_s']:.0f} GB/s (read + write)")
+        )
     for r in s.get("kernel_correctness", {}).get("cases", []):
         verdict = ("match" if r["match"] else "MISMATCH") + ("" if r["nan_safe"] else ", NaN LEAK")
-        rows.append(("kernel correctness", r["case"], f"{verdict}, max err {r['max_abs_err']:.1e} (atol {r['atol']:g})"))
+        rows.append(
+            (
+                "kernel correctness",
+                r["case"],
+                f"{verdict}, max err {r['max_abs_err']:.1e} (atol {r['atol']:g})",
+            )
+        )
     for r in s.get("kernel_times", {}).get("rows", []):
         (pallas, p_ms), (_, x_ms) = r["ms"].items()
         share = f", {r['share_of_copy']:.1%} of copy" if r["share_of_copy"] else ""
-        rows.append(("kernel time", r["shape"], f"{pallas} {p_ms:.3f} ms ({r['pallas_gb_s']:.0f} GB/s{share}), "
-                                                f"xla {x_ms:.3f} ms"))
+        rows.append(
+            (
+                "kernel time",
+                r["shape"],
+                f"{pallas} {p_ms:.3f} ms ({r['pallas_gb_s']:.0f} GB/s{share}), xla {x_ms:.3f} ms",
+            )
+        )
     for name in ("greedy_small", "greedy_big"):
         for backend, c in s.get(name, {}).items():
             if isinstance(c, dict) and "identical" in c:
                 first = c["divergences"][0] if c["divergences"] else None
-                where = f"; first divergence: prompt {first['prompt']} token {first['position']}, HF margin " \
-                        f"{first['hf_margin']}" if first else ""
-                rows.append((name, f"{backend} vs HF (f32)",
-                             f"{c['identical']}/{c['prompts']} prompts identical{where}"))
+                where = (
+                    f"; first divergence: prompt {first['prompt']} token {first['position']}, HF margin "
+                    f"{first['hf_margin']}"
+                    if first
+                    else ""
+                )
+                rows.append(
+                    (
+                        name,
+                        f"{backend} vs HF (f32)",
+                        f"{c['identical']}/{c['prompts']} prompts identical{where}",
+                    )
+                )
     for r in s.get("layer_scan", {}).get("rows", []):
-        rows.append(("layer scan", r["step"], f"compile {r['unrolled_compile_s']:.1f} s unrolled, "
-                                              f"{r['scan_compile_s']:.1f} s scan; step {r['unrolled_step_ms']:.2f} "
-                                              f"ms unrolled, {r['scan_step_ms']:.2f} ms scan"))
+        rows.append(
+            (
+                "layer scan",
+                r["step"],
+                f"compile {r['unrolled_compile_s']:.1f} s unrolled, "
+                f"{r['scan_compile_s']:.1f} s scan; step {r['unrolled_step_ms']:.2f} "
+                f"ms unrolled, {r['scan_step_ms']:.2f} ms scan",
+            )
+        )
     start = s.get("startup", {})
     for kind in ("cold", "cached"):
         if kind in start:
             r = start[kind]
-            rows.append(("startup", f"{kind}, new process", f"{r['total_s']:.1f} s (load {r['load_s']:.1f}, precompile "
-                                                           f"{r['precompile_s']:.1f}); {r['step_programs']} step "
-                                                           f"programs; {r['from_cache']}/{r['programs']} XLA programs "
-                                                           f"read from the cache"))
+            rows.append(
+                (
+                    "startup",
+                    f"{kind}, new process",
+                    f"{r['total_s']:.1f} s (load {r['load_s']:.1f}, precompile "
+                    f"{r['precompile_s']:.1f}); {r['step_programs']} step "
+                    f"programs; {r['from_cache']}/{r['programs']} XLA programs "
+                    f"read from the cache",
+                )
+            )
     tp = s.get("throughput", {})
     if tp.get("status") == "ok":
-        rows.append(("throughput", f"jaxpaged bf16, N={tp['requests']}",
-                     f"{tp['output_tok_s']:,.0f} useful out tok/s, {tp['req_s']:.1f} req/s"))
+        rows.append(
+            (
+                "throughput",
+                f"jaxpaged bf16, N={tp['requests']}",
+                f"{tp['output_tok_s']:,.0f} useful out tok/s, {tp['req_s']:.1f} req/s",
+            )
+        )
         idle = tp.get("traced", {}).get("device_idle_share")
         if idle is not None:
-            rows.append(("throughput", "device idle share", f"{idle:.1%} of a {tp['traced']['requests']}-request pass"))
+            rows.append(
+                (
+                    "throughput",
+                    "device idle share",
+                    f"{idle:.1%} of a {tp['traced']['requests']}-request pass",
+                )
+            )
     hf = s.get("hf_static", {})
     if hf.get("status") == "ok":
-        ratio = f" (jaxpaged {tp['output_tok_s'] / hf['output_tok_s']:.1f}x)" if tp.get("status") == "ok" else ""
-        rows.append(("throughput", f"HF static bf16, batch {hf['batch_size']}, N={hf['requests']}",
-                     f"{hf['output_tok_s']:,.0f} useful out tok/s{ratio}"))
+        ratio = (
+            f" (jaxpaged {tp['output_tok_s'] / hf['output_tok_s']:.1f}x)" if tp.get("status") == "ok" else ""
+        )
+        rows.append(
+            (
+                "throughput",
+                f"HF static bf16, batch {hf['batch_size']}, N={hf['requests']}",
+                f"{hf['output_tok_s']:,.0f} useful out tok/s{ratio}",
+            )
+        )
     return rows
 
 
@@ -712,9 +906,12 @@ def plot(run: Run) -> Path:
         ax_bw.legend()
     ax_bw.set_xticks(x, [r["shape"].replace(" + ", "\n+ ") for r in rows], fontsize=7)
     ax_bw.set(ylabel="GB/s of K/V read", title="Pallas kernel's bandwidth")
-    bars = [(name, s[key]["output_tok_s"]) for name, key in (("jaxpaged", "throughput"), ("HF static", "hf_static"))
-            if s.get(key, {}).get("status") == "ok"]
-    ax_tp.bar([b[0] for b in bars], [b[1] for b in bars], color=["C0", "C2"][:len(bars)])
+    bars = [
+        (name, s[key]["output_tok_s"])
+        for name, key in (("jaxpaged", "throughput"), ("HF static", "hf_static"))
+        if s.get(key, {}).get("status") == "ok"
+    ]
+    ax_tp.bar([b[0] for b in bars], [b[1] for b in bars], color=["C0", "C2"][: len(bars)])
     ax_tp.set_yscale("log")
     ax_tp.set(ylabel="useful output tok/s", title="offline throughput, bf16")
     fig.suptitle(f"{s.get('device', {}).get('device', '?')}, jax {run.results['jax']}, {run.results['date']}")
@@ -726,12 +923,18 @@ def plot(run: Run) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="tiny sizes, Pallas interpreted (automatic on CPU)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny sizes, Pallas interpreted (automatic on CPU)"
+    )
     ap.add_argument("--quick", action="store_true", help="half the throughput workload, fewer greedy prompts")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds the whole run may take (default 450)")
+    ap.add_argument(
+        "--budget", type=float, default=450.0, help="seconds the whole run may take (default 450)"
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset, in this order")
     ap.add_argument("--results-dir", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--work-dir", default=None, help="models and the compilation cache (default: a temporary one)")
+    ap.add_argument(
+        "--work-dir", default=None, help="models and the compilation cache (default: a temporary one)"
+    )
     ap.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.startup_child:
@@ -742,11 +945,20 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     dry = args.dry_run or jax.default_backend() == "cpu"
-    run = Run(plan=dry_plan() if dry else gpu_plan(args.quick), dry_run=dry,
-              work=Path(args.work_dir or tempfile.mkdtemp(prefix="jaxpaged-gpu-")), results_dir=Path(args.results_dir),
-              deadline=t0 + args.budget, results={"dry_run": dry, "jax": jax.__version__,
-                                                  "date": datetime.date.today().isoformat(), "args": vars(args),
-                                                  "sections": {}})
+    run = Run(
+        plan=dry_plan() if dry else gpu_plan(args.quick),
+        dry_run=dry,
+        work=Path(args.work_dir or tempfile.mkdtemp(prefix="jaxpaged-gpu-")),
+        results_dir=Path(args.results_dir),
+        deadline=t0 + args.budget,
+        results={
+            "dry_run": dry,
+            "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(),
+            "args": vars(args),
+            "sections": {},
+        },
+    )
     run.results["plan"] = dataclasses.asdict(run.plan)
     for name in args.sections.split(","):
         run_section(run, name)
@@ -758,7 +970,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {write_json(run)}")
     for section, what, result in summary_rows(run.results):
         print(f"{section:<20} {what:<34} {result}")
-    print(f"total {run.results['total_s']:.0f} s{' (dry run: sizes tiny, timings meaningless)' if dry else ''}")
+    print(
+        f"total {run.results['total_s']:.0f} s{' (dry run: sizes tiny, timings meaningless)' if dry else ''}"
+    )
     return 0
 
 

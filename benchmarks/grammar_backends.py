@@ -26,26 +26,62 @@ import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, write_json
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["street", "city", "zip"]},
-    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    "status": {"enum": ["active", "inactive", "banned"]}},
-    "required": ["name", "age", "address", "tags", "status"]}
-WIDE_TYPES = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
-              {"enum": ["red", "green", "blue"]}, {"type": "array", "items": {"type": "integer"}}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city", "zip"],
+        },
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "status": {"enum": ["active", "inactive", "banned"]},
+    },
+    "required": ["name", "age", "address", "tags", "status"],
+}
+WIDE_TYPES = [
+    {"type": "string"},
+    {"type": "integer"},
+    {"type": "number"},
+    {"type": "boolean"},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "array", "items": {"type": "integer"}},
+]
 WIDE_VALUES = ["text", 42, 3.25, True, "green", [1, 2, 3]]
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
-    "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}, {"name": "Ada Lovelace", "age": 36}),
-    "nested": (PERSON, {"name": "Alan Turing", "age": 41, "address": {"street": "Hampton Road", "city": "Teddington",
-                                                                        "zip": "12345"},
-                        "tags": ["logic", "computing"], "status": "inactive"}),
-    "wide": ({"type": "object", "properties": {f"field_{i}": WIDE_TYPES[i % 6] for i in range(24)},
-              "required": [f"field_{i}" for i in range(24)]}, {f"field_{i}": WIDE_VALUES[i % 6] for i in range(24)}),
+    "flat": (
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        },
+        {"name": "Ada Lovelace", "age": 36},
+    ),
+    "nested": (
+        PERSON,
+        {
+            "name": "Alan Turing",
+            "age": 41,
+            "address": {"street": "Hampton Road", "city": "Teddington", "zip": "12345"},
+            "tags": ["logic", "computing"],
+            "status": "inactive",
+        },
+    ),
+    "wide": (
+        {
+            "type": "object",
+            "properties": {f"field_{i}": WIDE_TYPES[i % 6] for i in range(24)},
+            "required": [f"field_{i}" for i in range(24)],
+        },
+        {f"field_{i}": WIDE_VALUES[i % 6] for i in range(24)},
+    ),
     "any_object": ({"type": "object"}, {"id": 7, "items": [{"name": "tea", "price": 2.5}], "paid": False}),
 }
 """Name -> (schema, an instance of it): the instance, tokenized, is the output the masks are filled along."""
@@ -57,15 +93,20 @@ class Llguidance:
     def __init__(self, hf, vocab_size: int) -> None:
         import llguidance
         import llguidance.numpy
+
         self._ll, self._np = llguidance, llguidance.numpy
         backend = hf.backend_tokenizer
         backend.no_padding()
         backend.no_truncation()
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=hf.eos_token_id)
+        self.tokenizer = llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab_size, eos_token=hf.eos_token_id
+        )
         self.mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
     def compile(self, schema: str):
-        matcher = self._ll.LLMatcher(self.tokenizer, self._ll.LLMatcher.grammar_from_json_schema(schema), log_level=0)
+        matcher = self._ll.LLMatcher(
+            self.tokenizer, self._ll.LLMatcher.grammar_from_json_schema(schema), log_level=0
+        )
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher
@@ -86,6 +127,7 @@ class Xgrammar:
 
     def __init__(self, hf, vocab_size: int) -> None:
         import xgrammar
+
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
@@ -143,9 +185,13 @@ def run(backend_cls, hf, vocab_size: int, rounds: int) -> tuple[dict, dict[str, 
             if not ok:
                 raise RuntimeError(f"{b.name} refused token {i} ({t}) of the {name} instance")
         masks[name] = steps
-        figures["schemas"][name] = {"compile_ms": 1e3 * statistics.median(compile_s), "first_mask_ms": 1e3 * first_s,
-                                    "fill_us": 1e6 * statistics.median(fill_s),
-                                    "accept_us": 1e6 * statistics.median(accept_s), "tokens": len(tokens)}
+        figures["schemas"][name] = {
+            "compile_ms": 1e3 * statistics.median(compile_s),
+            "first_mask_ms": 1e3 * first_s,
+            "fill_us": 1e6 * statistics.median(fill_s),
+            "accept_us": 1e6 * statistics.median(accept_s),
+            "tokens": len(tokens),
+        }
     return figures, masks
 
 
@@ -153,17 +199,22 @@ def load_tokenizer(path: str | None):
     """A Hugging Face fast tokenizer: from ``path``, or SmolLM2's as jaxpaged loads it (from its GGUF)."""
     if path:
         import transformers
+
         return transformers.AutoTokenizer.from_pretrained(path)
     from jaxpaged.tokenizer import Tokenizer
     from jaxpaged.weights import DEFAULT_MODEL_ALIAS
+
     return Tokenizer.load(DEFAULT_MODEL_ALIAS).hf
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (default: SmolLM2's, through jaxpaged)")
-    ap.add_argument("--save-tokenizer", metavar="DIR",
-                    help="save the tokenizer to DIR (for another environment) and exit")
+    ap.add_argument(
+        "--tokenizer", help="a Hugging Face tokenizer directory (default: SmolLM2's, through jaxpaged)"
+    )
+    ap.add_argument(
+        "--save-tokenizer", metavar="DIR", help="save the tokenizer to DIR (for another environment) and exit"
+    )
     ap.add_argument("--rounds", type=int, default=5, help="compiles per schema (median)")
     args = ap.parse_args()
     hf = load_tokenizer(args.tokenizer)
@@ -186,10 +237,23 @@ def main() -> None:
             if len(masks) == 2:
                 a, b = masks.values()
                 same = f"{sum(np.array_equal(x, y) for x, y in zip(a[name], b[name]))}/{len(a[name])}"
-            rows.append([backend, name, f["compile_ms"], f["first_mask_ms"], f["fill_us"], f["accept_us"], f["tokens"],
-                         same])
-    print_table(["backend", "schema", "compile ms", "1st mask ms", "fill us", "accept us", "tokens", "same masks"],
-                rows, [11, 11, 11, 12, 10, 10, 7, 11])
+            rows.append(
+                [
+                    backend,
+                    name,
+                    f["compile_ms"],
+                    f["first_mask_ms"],
+                    f["fill_us"],
+                    f["accept_us"],
+                    f["tokens"],
+                    same,
+                ]
+            )
+    print_table(
+        ["backend", "schema", "compile ms", "1st mask ms", "fill us", "accept us", "tokens", "same masks"],
+        rows,
+        [11, 11, 11, 12, 10, 10, 7, 11],
+    )
     for backend, r in results.items():
         print(f"{backend}: tokenizer set-up {r['setup_s']:.2f} s")
     write_json("grammar_backends", {"vocab_size": vocab_size, "backends": results})

@@ -87,10 +87,28 @@ class Chip:
 
 
 MODELS = (
-    ModelShape("SmolLM2-135M", layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, mlp=1536,
-               vocab=49152, tied=True),
-    ModelShape("Llama-3-8B", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, mlp=14336,
-               vocab=128256, tied=False),
+    ModelShape(
+        "SmolLM2-135M",
+        layers=30,
+        hidden=576,
+        q_heads=9,
+        kv_heads=3,
+        head_dim=64,
+        mlp=1536,
+        vocab=49152,
+        tied=True,
+    ),
+    ModelShape(
+        "Llama-3-8B",
+        layers=32,
+        hidden=4096,
+        q_heads=32,
+        kv_heads=8,
+        head_dim=128,
+        mlp=14336,
+        vocab=128256,
+        tied=False,
+    ),
 )
 CHIPS = (
     Chip("H100 SXM", hbm_bytes_per_s=3.35e12, bf16_flops=989e12, hbm_bytes=80e9),
@@ -106,8 +124,7 @@ def decode_step(model: ModelShape, chip: Chip, batch: int, context: int) -> dict
     FLOPs: 2 per weight per token for the matmuls; 4 * Hq * D per context token per layer for
     QK^T and PV.
     """
-    weights = 2 * (model.params - (0 if model.tied else model.vocab * model.hidden)
-                   + batch * model.hidden)
+    weights = 2 * (model.params - (0 if model.tied else model.vocab * model.hidden) + batch * model.hidden)
     kv_read = batch * context * model.kv_bytes_per_token
     kv_write = batch * model.kv_bytes_per_token
     matmul_flops = 2 * batch * model.matmul_params
@@ -116,18 +133,30 @@ def decode_step(model: ModelShape, chip: Chip, batch: int, context: int) -> dict
     t_flops = (matmul_flops + attn_flops) / chip.bf16_flops
     t = max(t_mem, t_flops)
     resident = 2 * model.params + batch * context * model.kv_bytes_per_token
-    return dict(model=model.name, chip=chip.name, batch=batch, context=context, weight_gb=weights / 1e9,
-                kv_gb=(kv_read + kv_write) / 1e9, matmul_gflop=matmul_flops / 1e9,
-                attn_gflop=attn_flops / 1e9, t_mem_ms=t_mem * 1e3, t_flops_ms=t_flops * 1e3,
-                bound="memory" if t_mem >= t_flops else "compute", tokens_per_s=batch / t,
-                attn_share=kv_read / (weights + kv_read + kv_write),
-                fits=resident <= chip.hbm_bytes)
+    return dict(
+        model=model.name,
+        chip=chip.name,
+        batch=batch,
+        context=context,
+        weight_gb=weights / 1e9,
+        kv_gb=(kv_read + kv_write) / 1e9,
+        matmul_gflop=matmul_flops / 1e9,
+        attn_gflop=attn_flops / 1e9,
+        t_mem_ms=t_mem * 1e3,
+        t_flops_ms=t_flops * 1e3,
+        bound="memory" if t_mem >= t_flops else "compute",
+        tokens_per_s=batch / t,
+        attn_share=kv_read / (weights + kv_read + kv_write),
+        fits=resident <= chip.hbm_bytes,
+    )
 
 
 def roofline_table() -> str:
     """Markdown table of ``decode_step`` over both models, both chips, batch 1/32/256 and context 512/4096."""
-    head = ("| model | chip | batch | context | weights GB | KV GB | matmul GFLOP | attn GFLOP | "
-            "t_mem ms | t_flop ms | bound | tokens/s ≤ | KV share of bytes | fits HBM |")
+    head = (
+        "| model | chip | batch | context | weights GB | KV GB | matmul GFLOP | attn GFLOP | "
+        "t_mem ms | t_flop ms | bound | tokens/s ≤ | KV share of bytes | fits HBM |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for model in MODELS:
         for chip in CHIPS:
@@ -138,22 +167,34 @@ def roofline_table() -> str:
                         f"| {r['model']} | {r['chip']} | {batch} | {context} | {r['weight_gb']:.3f} | "
                         f"{r['kv_gb']:.3f} | {r['matmul_gflop']:.1f} | {r['attn_gflop']:.2f} | "
                         f"{r['t_mem_ms']:.3f} | {r['t_flops_ms']:.3f} | {r['bound']} | "
-                        f"{r['tokens_per_s']:,.0f} | {r['attn_share']:.0%} | {'yes' if r['fits'] else 'no'} |")
+                        f"{r['tokens_per_s']:,.0f} | {r['attn_share']:.0%} | {'yes' if r['fits'] else 'no'} |"
+                    )
     return "\n".join(lines)
 
 
 def ridge_points() -> str:
-    rows = [f"- {c.name}: {c.bf16_flops / c.hbm_bytes_per_s:.0f} FLOP/byte (bf16 peak / HBM bandwidth)"
-            for c in CHIPS]
-    rows += [f"- {m.name} decode attention: {m.q_heads // m.kv_heads} FLOP/byte "
-             f"(4*Hq*D FLOPs per 2*2*Hkv*D bytes of K/V = Hq/Hkv)" for m in MODELS]
+    rows = [
+        f"- {c.name}: {c.bf16_flops / c.hbm_bytes_per_s:.0f} FLOP/byte (bf16 peak / HBM bandwidth)"
+        for c in CHIPS
+    ]
+    rows += [
+        f"- {m.name} decode attention: {m.q_heads // m.kv_heads} FLOP/byte "
+        f"(4*Hq*D FLOPs per 2*2*Hkv*D bytes of K/V = Hq/Hkv)"
+        for m in MODELS
+    ]
     return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------ timing
 
-PEAK_HBM = {"H100": 3.35e12, "A100": 2.0e12, "TPU v5 lite": 819e9, "TPU v5": 2.76e12,
-            "TPU v6 lite": 1.64e12, "TPU v4": 1.23e12}
+PEAK_HBM = {
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "TPU v5 lite": 819e9,
+    "TPU v5": 2.76e12,
+    "TPU v6 lite": 1.64e12,
+    "TPU v4": 1.23e12,
+}
 
 
 def _peak_bandwidth(device_kind: str) -> float | None:
@@ -163,8 +204,18 @@ def _peak_bandwidth(device_kind: str) -> float | None:
     return None
 
 
-def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
-           dtype, seed: int = 0, cold: bool = False, scattered: bool = False):
+def _batch(
+    rows: list[tuple[int, int]],
+    *,
+    block_size: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype,
+    seed: int = 0,
+    cold: bool = False,
+    scattered: bool = False,
+):
     """Device arrays for one ragged batch (a pool with a few spare blocks). ``scattered``: the block ids
     shuffled over the pool; else each row's pages one run of consecutive ids, the rows one after another,
     as the engine's block pool lays out the tables of sequences admitted together. ``cold``: the pool holds
@@ -179,18 +230,28 @@ def _batch(rows: list[tuple[int, int]], *, block_size: int, q_heads: int, kv_hea
     ctx = np.array([r[1] for r in rows], np.int32)
     pages = -(-ctx // block_size)
     num_blocks = int(pages.sum()) + 8
-    ids = rng.permutation(num_blocks).astype(np.int32) if scattered else np.arange(1, num_blocks, dtype=np.int32)
+    ids = (
+        rng.permutation(num_blocks).astype(np.int32)
+        if scattered
+        else np.arange(1, num_blocks, dtype=np.int32)
+    )
     bt = np.zeros((len(rows), int(pages.max())), np.int32)
     offsets = np.concatenate([[0], np.cumsum(pages)])
     for r in range(len(rows)):
-        bt[r, :pages[r]] = ids[offsets[r]:offsets[r + 1]]
+        bt[r, : pages[r]] = ids[offsets[r] : offsets[r + 1]]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     T = int(qsl[-1])
     tiles = build_prefill_tiles(qsl, 32, num_prefill_tiles(qsl, 32))  # decode-only: no prefill pass
     md = AttentionMetadata(
-        slot_mapping=jnp.full((T,), -1, jnp.int32), block_tables=jnp.asarray(bt),
-        seq_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl), tile_row=jnp.asarray(tiles[0]),
-        tile_start=jnp.asarray(tiles[1]), tile_len=jnp.asarray(tiles[2]), tile_size=32)
+        slot_mapping=jnp.full((T,), -1, jnp.int32),
+        block_tables=jnp.asarray(bt),
+        seq_lens=jnp.asarray(ctx),
+        query_start_loc=jnp.asarray(qsl),
+        tile_row=jnp.asarray(tiles[0]),
+        tile_start=jnp.asarray(tiles[1]),
+        tile_len=jnp.asarray(tiles[2]),
+        tile_size=32,
+    )
     one_layer = rng.standard_normal((1, 2, num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
     layers = max(1, -(-COLD_BYTES // (one_layer.size * jnp.dtype(dtype).itemsize))) if cold else 1
     kv = jnp.asarray(np.broadcast_to(one_layer, (layers, *one_layer.shape[1:])), dtype)
@@ -224,8 +285,9 @@ def _each_layer_in_turn(fn, q, kv, md):
     return lambda i: fn(q, kv, layer_ids[i % len(layer_ids)], md)
 
 
-def time_backends(iters: int, quick: bool, block_size: int, hot: bool = False,
-                  scattered: bool = False) -> list[dict]:
+def time_backends(
+    iters: int, quick: bool, block_size: int, hot: bool = False, scattered: bool = False
+) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -247,23 +309,43 @@ def time_backends(iters: int, quick: bool, block_size: int, hot: bool = False,
     shapes = dict(block_size=block_size, q_heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M attention
     # (kind, rows, context): decode rows of one token; one prefill chunk of `context` tokens from
     # position 0; 448 prompt tokens next to `rows` decode rows (one chunked-prefill step).
-    workloads = [("decode", 1, 2048), ("decode", 8, 256), ("decode", 64, 256), ("decode", 64, 512),
-                 ("prefill", 1, 512), ("mixed +448", 64, 256)]
+    workloads = [
+        ("decode", 1, 2048),
+        ("decode", 8, 256),
+        ("decode", 64, 256),
+        ("decode", 64, 512),
+        ("prefill", 1, 512),
+        ("mixed +448", 64, 256),
+    ]
     if not on_cpu:
         workloads += [("decode", 256, 4096)]
-    print(f"platform: {platform} ({device.device_kind}), dtype {jnp.dtype(dtype).name}, "
-          f"attention Hq={shapes['q_heads']} Hkv={shapes['kv_heads']} D={shapes['head_dim']} "
-          f"block_size={shapes['block_size']}")
+    print(
+        f"platform: {platform} ({device.device_kind}), dtype {jnp.dtype(dtype).name}, "
+        f"attention Hq={shapes['q_heads']} Hkv={shapes['kv_heads']} D={shapes['head_dim']} "
+        f"block_size={shapes['block_size']}"
+    )
     if on_cpu:
-        print("CPU: cpu is the native C++ kernel (the default CPU backend); pallas_interpret is the Pallas "
-              "kernel run by the interpreter, its timings are not "
-              "representative of GPU/TPU kernels.")
-    print(("pages from one layer called again and again (--hot)" if hot else
-           f"pages from memory: each call reads the next of `layers` layers of pages (at least "
-           f"{COLD_BYTES >> 20} MiB), as a model step does") +
-          ("; block ids shuffled over the pool (--scattered)" if scattered else
-           "; each row's pages one run of consecutive blocks, as the engine allocates them"))
-    header = f"{'workload':<12}{'rows':>6}{'context':>8}{'layers':>8}  " + "".join(f"{b:>18}" for b in backends)
+        print(
+            "CPU: cpu is the native C++ kernel (the default CPU backend); pallas_interpret is the Pallas "
+            "kernel run by the interpreter, its timings are not "
+            "representative of GPU/TPU kernels."
+        )
+    print(
+        (
+            "pages from one layer called again and again (--hot)"
+            if hot
+            else f"pages from memory: each call reads the next of `layers` layers of pages (at least "
+            f"{COLD_BYTES >> 20} MiB), as a model step does"
+        )
+        + (
+            "; block ids shuffled over the pool (--scattered)"
+            if scattered
+            else "; each row's pages one run of consecutive blocks, as the engine allocates them"
+        )
+    )
+    header = f"{'workload':<12}{'rows':>6}{'context':>8}{'layers':>8}  " + "".join(
+        f"{b:>18}" for b in backends
+    )
     if kernel is not None:
         header += f"    {kernel} GB/s" + (" (% of peak)" if peak else "") + "  GFLOP/s"
     print(header)
@@ -278,9 +360,21 @@ def time_backends(iters: int, quick: bool, block_size: int, hot: bool = False,
         q, kv, md, live_bytes, flops = _batch(rows, dtype=dtype, cold=not hot, scattered=scattered, **shapes)
         layers = kv.shape[0]
         cells = []
-        results.append({"platform": platform, "device": device.device_kind, "workload": kind, "batch": batch,
-                        "context": context, "layers": layers, "live_bytes": live_bytes, "attention_flops": flops,
-                        "ms": {}, "kernel": kernel, "peak_gb_s": peak / 1e9 if peak else None})
+        results.append(
+            {
+                "platform": platform,
+                "device": device.device_kind,
+                "workload": kind,
+                "batch": batch,
+                "context": context,
+                "layers": layers,
+                "live_bytes": live_bytes,
+                "attention_flops": flops,
+                "ms": {},
+                "kernel": kernel,
+                "peak_gb_s": peak / 1e9 if peak else None,
+            }
+        )
         for backend in backends:
             if backend == "reference":
                 fn = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.125))
@@ -387,10 +481,20 @@ def compile_check(libtpu_dir: str | None, triton_dir: str | None) -> int:
     """
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     failures = 0
-    checks = (("TPU (libtpu)", libtpu_dir, _TPU_CHECK,
-               dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
-                    TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0")),
-              ("GPU (triton)", triton_dir, _GPU_CHECK, {}))
+    checks = (
+        (
+            "TPU (libtpu)",
+            libtpu_dir,
+            _TPU_CHECK,
+            dict(
+                TPU_SKIP_MDS_QUERY="1",
+                TPU_ACCELERATOR_TYPE="v5litepod-4",
+                TPU_WORKER_HOSTNAMES="localhost",
+                TPU_WORKER_ID="0",
+            ),
+        ),
+        ("GPU (triton)", triton_dir, _GPU_CHECK, {}),
+    )
     for name, extra_path, script, env in checks:
         print(f"== {name}", flush=True)
         if extra_path is None:
@@ -404,20 +508,35 @@ def compile_check(libtpu_dir: str | None, triton_dir: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from jaxpaged.config import EngineArgs
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--roofline", action="store_true", help="print the decode roofline table")
     parser.add_argument("--compile-check", action="store_true", help="compile for TPU/GPU without devices")
     parser.add_argument("--libtpu", help="directory holding the libtpu package (for --compile-check)")
     parser.add_argument("--triton", help="directory holding the triton package (for --compile-check)")
-    parser.add_argument("--iters", type=int, default=5,
-                        help="timed calls per backend and workload, at least; more until 0.5 s of calls")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=5,
+        help="timed calls per backend and workload, at least; more until 0.5 s of calls",
+    )
     parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
-    parser.add_argument("--quick", action="store_true",
-                        help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)")
-    parser.add_argument("--hot", action="store_true",
-                        help="call each workload on one layer's pages, kept in cache (default: from memory)")
-    parser.add_argument("--scattered", action="store_true",
-                        help="shuffle the block ids over the pool (default: each row's pages one run)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="leave out the slow backends (jnp reference; Pallas interpreter on CPU)",
+    )
+    parser.add_argument(
+        "--hot",
+        action="store_true",
+        help="call each workload on one layer's pages, kept in cache (default: from memory)",
+    )
+    parser.add_argument(
+        "--scattered",
+        action="store_true",
+        help="shuffle the block ids over the pool (default: each row's pages one run)",
+    )
     args = parser.parse_args(argv)
     if args.roofline:
         print(ridge_points())
@@ -445,8 +564,12 @@ def plot(rows: list[dict]) -> Path:
     backends = list(dict.fromkeys(b for r in rows for b in r["ms"]))
     width = 0.8 / max(1, len(backends))
     for i, backend in enumerate(backends):
-        ax_ms.bar(x + (i - (len(backends) - 1) / 2) * width, [r["ms"].get(backend, np.nan) for r in rows], width,
-                  label=backend)
+        ax_ms.bar(
+            x + (i - (len(backends) - 1) / 2) * width,
+            [r["ms"].get(backend, np.nan) for r in rows],
+            width,
+            label=backend,
+        )
     ax_ms.set_yscale("log")
     ax_ms.set_xticks(x, labels)
     ax_ms.set(ylabel="ms per call (median)", title=f"paged attention on {rows[0]['device']}")
@@ -458,8 +581,10 @@ def plot(rows: list[dict]) -> Path:
         ax_bw.legend()
     ax_bw.set_xticks(x, labels)
     kernel = rows[0]["kernel"]
-    ax_bw.set(ylabel="GB/s of live K/V and queries",
-              title=f"{kernel} kernel's achieved bandwidth" if kernel else "no platform kernel built")
+    ax_bw.set(
+        ylabel="GB/s of live K/V and queries",
+        title=f"{kernel} kernel's achieved bandwidth" if kernel else "no platform kernel built",
+    )
     return save_figure(fig, "kernels")
 
 

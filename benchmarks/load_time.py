@@ -41,6 +41,7 @@ def child(model: str, dtype: str) -> dict:
     from jaxpaged.tokenizer import Tokenizer
     from jaxpaged.weights import load_checkpoint
     from jaxpaged.models.registry import build_model
+
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model, dtype=jnp.dtype(dtype))
     t1 = time.perf_counter()
@@ -49,8 +50,14 @@ def child(model: str, dtype: str) -> dict:
     t2 = time.perf_counter()
     Tokenizer.load(ckpt.path)
     t3 = time.perf_counter()
-    return {"imports": t0 - t, "read": t1 - t0, "build": t2 - t1, "tokenizer": t3 - t2, "total": t3 - t0,
-            "peak_rss_mib": _peak_rss_mib()}
+    return {
+        "imports": t0 - t,
+        "read": t1 - t0,
+        "build": t2 - t1,
+        "tokenizer": t3 - t2,
+        "total": t3 - t0,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
 
 
 def _peak_rss_mib() -> float:
@@ -63,8 +70,13 @@ def _peak_rss_mib() -> float:
 
 
 def measure(model: str, dtype: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.load_time", "--child", model, "--dtype", dtype],
-                          capture_output=True, text=True, cwd=Path(__file__).parents[1], check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.load_time", "--child", model, "--dtype", dtype],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        check=False,
+    )
     if proc.returncode:
         raise RuntimeError(f"loading {model} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -83,19 +95,30 @@ def prepare(model: str, work: Path) -> list[dict]:
     ckpt = load_checkpoint(model)
     hf = work / "hf"
     hf.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in ckpt.tensors.items()}, hf / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in ckpt.tensors.items()},
+        hf / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     ckpt.config.save_pretrained(hf)
     save_tokenizer(gguf, hf)
     hf_s = time.perf_counter() - t
     del ckpt
-    made = [{"format": "gguf", "model": str(gguf), "dtype": "float32", "make_s": None},
-            {"format": "hf safetensors", "model": str(hf), "dtype": "float32", "make_s": hf_s}]
+    made = [
+        {"format": "gguf", "model": str(gguf), "dtype": "float32", "make_s": None},
+        {"format": "hf safetensors", "model": str(hf), "dtype": "float32", "make_s": hf_s},
+    ]
     for dtype in ("float32", "bfloat16"):
         t = time.perf_counter()
         convert_checkpoint(str(gguf), work / f"orbax-{dtype}", dtype=dtype)
-        made.append({"format": "orbax", "model": str(work / f"orbax-{dtype}"), "dtype": dtype,
-                     "make_s": time.perf_counter() - t})
+        made.append(
+            {
+                "format": "orbax",
+                "model": str(work / f"orbax-{dtype}"),
+                "dtype": dtype,
+                "make_s": time.perf_counter() - t,
+            }
+        )
     for m in made:
         path = Path(m["model"])
         files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
@@ -104,9 +127,13 @@ def prepare(model: str, work: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="GGUF file or alias to start from.")
-    parser.add_argument("--repeats", type=int, default=3, help="Fresh processes per format (median reported).")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Fresh processes per format (median reported)."
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,19 +153,34 @@ def main() -> None:
 
     base = rows[0]["total"]
     load = os.getloadavg()[0]
-    print(f"\nStart-up of {args.model} (median of {args.repeats} fresh processes, warm page cache, load average "
-          f"{load:.1f} on {os.cpu_count()} CPUs; imports, the same for all, median "
-          f"{statistics.median(r['imports'] for r in rows):.1f} s, not included)")
-    print("| format | dtype | on disk MiB | made in s | read s | build s | tokenizer s | total s | vs GGUF | "
-          "peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"\nStart-up of {args.model} (median of {args.repeats} fresh processes, warm page cache, load average "
+        f"{load:.1f} on {os.cpu_count()} CPUs; imports, the same for all, median "
+        f"{statistics.median(r['imports'] for r in rows):.1f} s, not included)"
+    )
+    print(
+        "| format | dtype | on disk MiB | made in s | read s | build s | tokenizer s | total s | vs GGUF | "
+        "peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         made = "-" if r["make_s"] is None else f"{r['make_s']:.1f}"
-        print(f"| {r['format']} | {r['dtype']} | {r['disk_mib']:.0f} | {made} | {r['read']:.2f} | {r['build']:.2f} | "
-              f"{r['tokenizer']:.2f} | {r['total']:.2f} | {base / r['total']:.1f}x | {r['peak_rss_mib']:.0f} |")
+        print(
+            f"| {r['format']} | {r['dtype']} | {r['disk_mib']:.0f} | {made} | {r['read']:.2f} | {r['build']:.2f} | "
+            f"{r['tokenizer']:.2f} | {r['total']:.2f} | {base / r['total']:.1f}x | {r['peak_rss_mib']:.0f} |"
+        )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "load_time.json"
-    out.write_text(json.dumps({"args": {"model": args.model, "repeats": args.repeats}, "load_average": load,
-                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "args": {"model": args.model, "repeats": args.repeats},
+                "load_average": load,
+                "cpus": os.cpu_count(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -52,8 +52,10 @@ def _variants(k: int, n: int, m: int, copies: int, with_torch: bool, rng):
         quant = [jnp.asarray(pack_quantized(codes, scale, low)) + 0 for _ in range(copies)]
         out[f"native q4 {tag}"] = (lambda i, xd=xd, ws=quant: native(xd, ws[i], n), quant[0].nbytes)
         if tag == "bf16" and use_amx():
-            out["native bf16 no-AMX"] = (lambda i, xd=xd, ws=packed: _without_amx(lambda: native(xd, ws[i], n)),
-                                         plain[0].nbytes)
+            out["native bf16 no-AMX"] = (
+                lambda i, xd=xd, ws=packed: _without_amx(lambda: native(xd, ws[i], n)),
+                plain[0].nbytes,
+            )
     if with_torch:
         import torch
 
@@ -120,8 +122,12 @@ def run(ms, shapes, iters: int, cold: bool, with_torch: bool) -> list[dict]:
             row = {"m": m, "k": k, "n": n, "copies": copies}
             for name, ts in times.items():
                 sec = statistics.median(ts)
-                row[name] = {"ms": sec * 1e3, "min_ms": min(ts) * 1e3, "gflops": 2 * m * k * n / sec / 1e9,
-                             "weight_gbs": variants[name][1] / sec / 1e9}
+                row[name] = {
+                    "ms": sec * 1e3,
+                    "min_ms": min(ts) * 1e3,
+                    "gflops": 2 * m * k * n / sec / 1e9,
+                    "weight_gbs": variants[name][1] / sec / 1e9,
+                }
             rows.append(row)
             _print_row(row, header=len(rows) == 1)
             del variants
@@ -132,26 +138,36 @@ def _print_row(row: dict, header: bool) -> None:
     cols = ["xla f32", "native f32", "native q4 f32", "xla bf16", "native bf16", "native q4 bf16"]
     cols += [c for c in ("native bf16 no-AMX", "torch bf16") if c in row]
     if header:
-        print(f"{'M x K x N':>18}" + "".join(f"{c + ' ms':>17}" for c in cols)
-              + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'q4 bf16 x':>10}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"
-              + f"{'nat bf16 GF/s':>14}{'GB/s':>6}")
+        print(
+            f"{'M x K x N':>18}"
+            + "".join(f"{c + ' ms':>17}" for c in cols)
+            + f"{'f32 x':>7}{'q4 x':>6}{'bf16 x':>7}{'q4 bf16 x':>10}{'nat f32 GF/s':>13}{'GB/s':>6}{'q4 GB/s':>8}"
+            + f"{'nat bf16 GF/s':>14}{'GB/s':>6}"
+        )
     shape = f"{row['m']} x {row['k']} x {row['n']}"
     f32x = row["xla f32"]["ms"] / row["native f32"]["ms"]
     q4x = row["native f32"]["ms"] / row["native q4 f32"]["ms"]
     bf16x = row["xla bf16"]["ms"] / row["native bf16"]["ms"]
     q4bf16x = row["native bf16"]["ms"] / row["native q4 bf16"]["ms"]
-    print(f"{shape:>18}" + "".join(f"{row[c]['ms']:>17.3f}" for c in cols)
-          + f"{f32x:>7.2f}{q4x:>6.2f}{bf16x:>7.2f}{q4bf16x:>10.2f}{row['native f32']['gflops']:>13.0f}"
-          + f"{row['native f32']['weight_gbs']:>6.1f}{row['native q4 f32']['weight_gbs']:>8.1f}"
-          + f"{row['native bf16']['gflops']:>14.0f}{row['native bf16']['weight_gbs']:>6.1f}", flush=True)
+    print(
+        f"{shape:>18}"
+        + "".join(f"{row[c]['ms']:>17.3f}" for c in cols)
+        + f"{f32x:>7.2f}{q4x:>6.2f}{bf16x:>7.2f}{q4bf16x:>10.2f}{row['native f32']['gflops']:>13.0f}"
+        + f"{row['native f32']['weight_gbs']:>6.1f}{row['native q4 f32']['weight_gbs']:>8.1f}"
+        + f"{row['native bf16']['gflops']:>14.0f}{row['native bf16']['weight_gbs']:>6.1f}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iters", type=int, default=15, help="timed calls per variant and shape (median)")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
-    parser.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES),
-                        help="comma-separated KxN weight shapes")
+    parser.add_argument(
+        "--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="comma-separated KxN weight shapes"
+    )
     parser.add_argument("--cold", action="store_true", help="weights from memory (rotate copies past the L3)")
     parser.add_argument("--torch", action="store_true", help="also time torch bfloat16 (oneDNN)")
     args = parser.parse_args(argv)
@@ -165,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; "
-          f"{'cold' if args.cold else 'warm'} weights; median of {args.iters}")
+    print(
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs; "
+        f"{'cold' if args.cold else 'warm'} weights; median of {args.iters}"
+    )
     rows = run(ms, shapes, args.iters, args.cold, args.torch)
     from benchmarks.common import UNDER_LOAD, write_json
 

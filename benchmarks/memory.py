@@ -69,9 +69,15 @@ def sample(engine, step: int) -> SlotSample:
     bs = engine.cache_info.block_size
     seqs = live_sequences(engine)
     used = engine.kv_cache_manager.pool.num_used_blocks
-    return SlotSample(step=step, num_seqs=len(seqs), tokens_held=tokens_held(seqs, bs), blocks_in_use=used,
-                      jaxpaged=used * bs, static_max=len(seqs) * engine.max_model_len,
-                      static_oracle=sum(r.num_prompt_tokens + r.max_tokens for r in seqs))
+    return SlotSample(
+        step=step,
+        num_seqs=len(seqs),
+        tokens_held=tokens_held(seqs, bs),
+        blocks_in_use=used,
+        jaxpaged=used * bs,
+        static_max=len(seqs) * engine.max_model_len,
+        static_oracle=sum(r.num_prompt_tokens + r.max_tokens for r in seqs),
+    )
 
 
 def run_trace(engine, reqs: list[WorkloadRequest]) -> list[SlotSample]:
@@ -81,8 +87,11 @@ def run_trace(engine, reqs: list[WorkloadRequest]) -> list[SlotSample]:
 
     vocab = engine.vocab_size
     for i, r in enumerate(reqs):
-        engine.add_request(f"mem-{i}", [t % vocab for t in r.prompt_token_ids],
-                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+        engine.add_request(
+            f"mem-{i}",
+            [t % vocab for t in r.prompt_token_ids],
+            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+        )
     samples, step = [], 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -99,21 +108,33 @@ def utilization(samples: list[SlotSample], system: str) -> dict[str, float]:
     slots = np.array([getattr(s, system) for s in samples], float)
     per_step = held / slots
     peak = int(np.argmax(slots))
-    return {"mean_over_steps": float(per_step.mean()), "slot_weighted": float(held.sum() / slots.sum()),
-            "at_peak": float(per_step[peak]), "final": float(per_step[-1]), "peak_slots": int(slots[peak])}
+    return {
+        "mean_over_steps": float(per_step.mean()),
+        "slot_weighted": float(held.sum() / slots.sum()),
+        "at_peak": float(per_step[peak]),
+        "final": float(per_step[-1]),
+        "peak_slots": int(slots[peak]),
+    }
 
 
 def plot(samples: list[SlotSample], block_size: int, path_name: str = "memory") -> None:
     fig, (ax_u, ax_s) = new_figure(ncols=2)
     steps = [s.step for s in samples]
-    labels = {"jaxpaged": f"jaxpaged (paged, block {block_size})", "static_max": "static: max_model_len",
-              "static_oracle": "static: prompt + max_tokens"}
+    labels = {
+        "jaxpaged": f"jaxpaged (paged, block {block_size})",
+        "static_max": "static: max_model_len",
+        "static_oracle": "static: prompt + max_tokens",
+    }
     for system in SYSTEMS:
         ax_u.plot(steps, [100 * s.tokens_held / getattr(s, system) for s in samples], label=labels[system])
         ax_s.plot(steps, [getattr(s, system) for s in samples], label=labels[system])
     ax_s.plot(steps, [s.tokens_held for s in samples], "k--", label="tokens held")
-    ax_u.set(xlabel="engine step", ylabel="% of allocated KV slots holding a token", ylim=(0, 101),
-             title="KV-cache utilization")
+    ax_u.set(
+        xlabel="engine step",
+        ylabel="% of allocated KV slots holding a token",
+        ylim=(0, 101),
+        title="KV-cache utilization",
+    )
     ax_s.set(xlabel="engine step", ylabel="KV slots", title="slots allocated vs. tokens held")
     ax_u.legend()
     ax_s.legend()
@@ -127,14 +148,20 @@ def run_sharing(llm, args) -> list[dict]:
     reqs = [WorkloadRequest([t % vocab for t in r.prompt_token_ids], r.output_len) for r in reqs]
     print(f"\nblocks saved by sharing ({len(reqs)} prompts, block size {args.block_size})")
     print(f"{'workload':<9} {'width':>5} {'saved':>10} {'peak':>10} {'steps':>6} {'seconds':>8}")
-    return [memory_sharing.sharing(llm, kind, int(w), reqs, args.seed) for kind in ("parallel", "beam")
-            for w in args.widths.split(",")]
+    return [
+        memory_sharing.sharing(llm, kind, int(w), reqs, args.seed)
+        for kind in ("parallel", "beam")
+        for w in args.widths.split(",")
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct",
-                    help="model, or 'tiny' (a random 2-layer model: the slot counts do not depend on the model)")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model, or 'tiny' (a random 2-layer model: the slot counts do not depend on the model)",
+    )
     ap.add_argument("--n", type=int, default=64, help="requests in the trace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="default: the engine's")
@@ -148,25 +175,50 @@ def main(argv: list[str] | None = None) -> dict:
 
     from jaxpaged import LLM
 
-    llm = LLM(resolve_model_arg(args.model), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    llm = LLM(
+        resolve_model_arg(args.model),
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
     reqs = synthetic(args.n, args.seed, max_total=args.max_model_len)
     samples = run_trace(llm.engine, reqs)
     util = {system: utilization(samples, system) for system in SYSTEMS}
-    print(f"{args.n} requests (prompt mean {np.mean([len(r.prompt_token_ids) for r in reqs]):.0f}, output mean "
-          f"{np.mean([r.output_len for r in reqs]):.0f} tokens), block size {args.block_size}, max_model_len "
-          f"{args.max_model_len}, {len(samples)} steps sampled")
+    print(
+        f"{args.n} requests (prompt mean {np.mean([len(r.prompt_token_ids) for r in reqs]):.0f}, output mean "
+        f"{np.mean([r.output_len for r in reqs]):.0f} tokens), block size {args.block_size}, max_model_len "
+        f"{args.max_model_len}, {len(samples)} steps sampled"
+    )
     print("% of allocated KV slots holding a token:")
-    print_table(["system", "mean/step", "slot-weighted", "at peak", "final", "peak slots"],
-                [[s, 100 * u["mean_over_steps"], 100 * u["slot_weighted"], 100 * u["at_peak"], 100 * u["final"],
-                  u["peak_slots"]] for s, u in util.items()], widths=[16, 12, 15, 10, 10, 12])
+    print_table(
+        ["system", "mean/step", "slot-weighted", "at peak", "final", "peak slots"],
+        [
+            [
+                s,
+                100 * u["mean_over_steps"],
+                100 * u["slot_weighted"],
+                100 * u["at_peak"],
+                100 * u["final"],
+                u["peak_slots"],
+            ]
+            for s, u in util.items()
+        ],
+        widths=[16, 12, 15, 10, 10, 12],
+    )
     target = util["jaxpaged"]["mean_over_steps"] >= 0.97
-    print(f"jaxpaged time-averaged utilization {100 * util['jaxpaged']['mean_over_steps']:.1f}% "
-          f"(target >= 97%: {'met' if target else 'NOT met'})")
+    print(
+        f"jaxpaged time-averaged utilization {100 * util['jaxpaged']['mean_over_steps']:.1f}% "
+        f"(target >= 97%: {'met' if target else 'NOT met'})"
+    )
     plot(samples, args.block_size)
     sharing = None if args.skip_sharing else run_sharing(llm, args)
-    result = {"args": vars(args), "utilization": util, "samples": [asdict(s) for s in samples],
-              "sharing": sharing}
+    result = {
+        "args": vars(args),
+        "utilization": util,
+        "samples": [asdict(s) for s in samples],
+        "sharing": sharing,
+    }
     write_json("memory", result)
     return result
 

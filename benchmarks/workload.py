@@ -25,18 +25,26 @@ class WorkloadRequest:
 
 
 def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
-    mu = np.log(mean) - sigma ** 2 / 2          # so that the distribution's mean is `mean`
+    mu = np.log(mean) - sigma**2 / 2  # so that the distribution's mean is `mean`
     return np.maximum(1, np.round(rng.lognormal(mu, sigma, n))).astype(int)
 
 
-def synthetic(n: int, seed: int = 0, vocab_size: int = 49152, prompt_mean: float = 128,
-              output_mean: float = 128, max_total: int = MAX_TOTAL) -> list[WorkloadRequest]:
+def synthetic(
+    n: int,
+    seed: int = 0,
+    vocab_size: int = 49152,
+    prompt_mean: float = 128,
+    output_mean: float = 128,
+    max_total: int = MAX_TOTAL,
+) -> list[WorkloadRequest]:
     rng = np.random.default_rng(seed)
     prompt_lens = np.minimum(_lognormal_lengths(rng, n, prompt_mean, 1.0), max_total - 1)
     output_lens = np.minimum(_lognormal_lengths(rng, n, output_mean, 0.8), max_total - prompt_lens)
     # Token ids avoid the first 32 ids, where tokenizers keep their special tokens.
-    return [WorkloadRequest(rng.integers(32, vocab_size, p).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens)]
+    return [
+        WorkloadRequest(rng.integers(32, vocab_size, p).tolist(), int(o))
+        for p, o in zip(prompt_lens, output_lens)
+    ]
 
 
 def model_flops(reqs: list[WorkloadRequest], cfg) -> int:
@@ -48,16 +56,26 @@ def model_flops(reqs: list[WorkloadRequest], cfg) -> int:
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     mlp = (3 if cfg.gated_mlp else 2) * h * cfg.intermediate_size
     per_token = 2 * cfg.num_layers * (h * (q + 2 * kv) + q * h + mlp)
-    per_context = 4 * cfg.num_layers * q          # q.k and p.v for each key of a token's context
+    per_context = 4 * cfg.num_layers * q  # q.k and p.v for each key of a token's context
     total = 0
     for r in reqs:
         t = len(r.prompt_token_ids) + r.output_len - 1
-        total += t * per_token + per_context * t * (t + 1) // 2 + r.output_len * 2 * cfg.embed_dim * cfg.vocab_size
+        total += (
+            t * per_token + per_context * t * (t + 1) // 2 + r.output_len * 2 * cfg.embed_dim * cfg.vocab_size
+        )
     return total
 
 
-TOPICS = ["the history of paper", "how bridges carry load", "why the sea is salty", "a recipe for bread",
-          "the rules of chess", "how vaccines work", "the life of bees", "what a compiler does"]
+TOPICS = [
+    "the history of paper",
+    "how bridges carry load",
+    "why the sea is salty",
+    "a recipe for bread",
+    "the rules of chess",
+    "how vaccines work",
+    "the life of bees",
+    "what a compiler does",
+]
 
 NOTES = """\
 The town kept its records in a long room above the market, where the light came in through tall windows
@@ -92,8 +110,14 @@ def _conversation(topic: str, start: int, num_words: int) -> list[dict[str, str]
     return [{"role": "user", "content": f"{question} My notes so far: {notes}"}]
 
 
-def chat(n: int, seed: int, chat_template: Callable[[list[dict[str, str]]], list[int]], prompt_mean: float = 128,
-         output_mean: float = 128, max_total: int = MAX_TOTAL) -> list[WorkloadRequest]:
+def chat(
+    n: int,
+    seed: int,
+    chat_template: Callable[[list[dict[str, str]]], list[int]],
+    prompt_mean: float = 128,
+    output_mean: float = 128,
+    max_total: int = MAX_TOTAL,
+) -> list[WorkloadRequest]:
     """The real-text variant: ``synthetic``'s lengths for the same seed, with each prompt a chat
     conversation in plain English (a question on one of ``TOPICS``, with a window of ``NOTES`` as
     context) sized to the synthetic prompt's token count under ``chat_template`` (a tokenizer's

@@ -13,17 +13,31 @@ from jaxpaged.request import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams", "RequestOutput",
-           "RequestOutputKind", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
-           "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "AsyncLLMEngine",
+    "EngineArgs",
+    "AsyncEngineArgs",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str):
     # LLM and LLMEngine pull in JAX and transformers; import them only when asked for.
     if name == "LLM":
         from jaxpaged.llm import LLM
+
         return LLM
     if name == "LLMEngine":
         from jaxpaged.engine import LLMEngine
+
         return LLMEngine
     raise AttributeError(name)

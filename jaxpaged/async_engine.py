@@ -37,7 +37,7 @@ from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.step_stats import StepStats
 
-if TYPE_CHECKING:                   # the engine pulls in JAX; importing this module should not
+if TYPE_CHECKING:  # the engine pulls in JAX; importing this module should not
     from jaxpaged.engine import LLMEngine
     from jaxpaged.tokenizer import Tokenizer
 
@@ -59,7 +59,9 @@ class RequestFailedError(RuntimeError):
     """The engine failed while processing this one request (finish reason "error"); it serves the others."""
 
     def __init__(self, request_id: str) -> None:
-        super().__init__(f"the engine failed while processing request {request_id}; it keeps serving the others.")
+        super().__init__(
+            f"the engine failed while processing request {request_id}; it keeps serving the others."
+        )
 
 
 @dataclass(frozen=True)
@@ -181,12 +183,18 @@ class AsyncLLMEngine:
     a full queue at full load means minutes of waiting, better spent retrying elsewhere.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 max_queue_time: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+        max_queue_time: float | None = None,
+    ) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}.")
         if max_queue_time is not None and not max_queue_time > 0:
-            raise ValueError(f"max_queue_time must be a positive number of seconds (or None), got {max_queue_time}.")
+            raise ValueError(
+                f"max_queue_time must be a positive number of seconds (or None), got {max_queue_time}."
+            )
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_time = max_queue_time
@@ -194,7 +202,7 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._commands: deque[_Add | _Abort] = deque()
         self._num_pending_adds = 0
-        self._streams: dict[str, RequestStream] = {}      # loop thread only
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._queued: deque[tuple[float, list[Request]]] = deque()
         """(deadline, requests) of the adds subject to ``max_queue_time``, oldest first (loop thread only)."""
         self._error: EngineDeadError | None = None
@@ -251,11 +259,19 @@ class AsyncLLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | Sequence[int],
-                     sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                     cache_salt: str | None = None, priority: int = 0) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
         """Validate and tokenize without queueing (raises ``ValueError``); see ``add_request``."""
-        return self.engine.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
+        return self.engine.make_request(
+            request_id, prompt, sampling_params, arrival_time, cache_salt, priority
+        )
 
     async def add_request(self, request: Request) -> RequestStream:
         """Queue a request made by ``make_request``; returns once the scheduler accepted it
@@ -273,8 +289,10 @@ class AsyncLLMEngine:
         failed otherwise.
         """
         if len(requests) > self.max_waiting_requests:
-            raise ValueError(f"{len(requests)} prompts in one request are more than the waiting queue holds "
-                             f"({self.max_waiting_requests}); send at most that many at once.")
+            raise ValueError(
+                f"{len(requests)} prompts in one request are more than the waiting queue holds "
+                f"({self.max_waiting_requests}); send at most that many at once."
+            )
         loop = asyncio.get_running_loop()
         streams = [RequestStream(r, self, loop) for r in requests]
         admitted = loop.create_future()
@@ -284,7 +302,8 @@ class AsyncLLMEngine:
             if self.stats.num_waiting + self._num_pending_adds + len(requests) > self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the server is overloaded: {self.stats.num_waiting + self._num_pending_adds} requests are "
-                    f"already waiting (at most {self.max_waiting_requests}); retry later.")
+                    f"already waiting (at most {self.max_waiting_requests}); retry later."
+                )
             self._commands.append(_Add(list(requests), streams, admitted))
             self._num_pending_adds += len(requests)
         self._wakeup.set()
@@ -295,15 +314,17 @@ class AsyncLLMEngine:
             raise
         return streams
 
-    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, prompt: PromptInput, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's ``AsyncLLMEngine.generate``: the request's outputs as they come (kind per
         ``sampling_params.output_kind``), the finished one last. ``prompt`` is text, token ids or a prompt
         dict. Leaving the loop early, or cancelling the task iterating it, aborts the request. Raises as
         ``make_request`` and ``add_request`` do, and ``RequestFailedError`` if the engine failed on it."""
         parsed = parse_prompt(prompt)
-        request = self.make_request(request_id, parsed.prompt, sampling_params, cache_salt=parsed.cache_salt,
-                                    priority=priority)
+        request = self.make_request(
+            request_id, parsed.prompt, sampling_params, cache_salt=parsed.cache_salt, priority=priority
+        )
         async with await self.add_request(request) as stream:
             async for output in stream:
                 yield output
@@ -340,9 +361,11 @@ class AsyncLLMEngine:
                     self.stats = self._snapshot()
         except Exception as e:
             logger.exception("engine loop failed; the engine is dead")
-            self._die(EngineDeadError(f"the engine failed and stopped ({type(e).__name__}); restart the server."))
+            self._die(
+                EngineDeadError(f"the engine failed and stopped ({type(e).__name__}); restart the server.")
+            )
             return
-        for request_id in self._streams:        # shut down cleanly: the engine holds no requests after
+        for request_id in self._streams:  # shut down cleanly: the engine holds no requests after
             self.engine.abort_request(request_id)
         self._die(EngineDeadError("the engine has been shut down."))
 
@@ -359,7 +382,7 @@ class AsyncLLMEngine:
             self._apply(command)
             applied += len(command.requests) if isinstance(command, _Add) else 0
         self._expire_queued()
-        with self._lock:                # the stats now count the requests the pending count did
+        with self._lock:  # the stats now count the requests the pending count did
             self._num_pending_adds -= applied
             self.stats = self._snapshot()
             return not self._stopping
@@ -377,7 +400,7 @@ class AsyncLLMEngine:
         except ValueError as e:
             _resolve(command.admitted, e)
             return
-        except Exception:           # these requests' failure: adding is all or nothing
+        except Exception:  # these requests' failure: adding is all or nothing
             logger.exception("adding request %s failed; the engine goes on", command.requests[0].request_id)
             _resolve(command.admitted, RequestFailedError(command.requests[0].request_id))
             return
@@ -396,9 +419,11 @@ class AsyncLLMEngine:
         while self._queued and self._queued[0][0] <= now:
             _, requests = self._queued.popleft()
             if any(r.status is not RequestStatus.WAITING for r in requests):
-                continue                    # started, or ended already
-            error = EngineOverloadedError(f"the request waited {self.max_queue_time:g} s without starting: "
-                                          f"the server is overloaded; retry later.")
+                continue  # started, or ended already
+            error = EngineOverloadedError(
+                f"the request waited {self.max_queue_time:g} s without starting: "
+                f"the server is overloaded; retry later."
+            )
             for r in requests:
                 self.engine.abort_request(r.request_id)
                 stream = self._streams.pop(r.request_id, None)
@@ -407,7 +432,9 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their streams: one callback per event loop per step."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = defaultdict(
+            list
+        )
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -416,7 +443,7 @@ class AsyncLLMEngine:
                 del self._streams[out.request_id]
             batches[stream.loop].append((stream, out))
         for loop, batch in batches.items():
-            if not _post(loop, _deliver, batch):        # nobody is left to read these streams
+            if not _post(loop, _deliver, batch):  # nobody is left to read these streams
                 for stream, _ in batch:
                     self.engine.abort_request(stream.request_id)
                     self._streams.pop(stream.request_id, None)
@@ -435,13 +462,18 @@ class AsyncLLMEngine:
 
     def _snapshot(self) -> EngineStats:
         kv = self.engine.kv_cache_manager
-        return EngineStats(num_running=self.engine.scheduler.num_running,
-                           num_waiting=self.engine.scheduler.num_waiting,
-                           kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-                           num_usable_blocks=self.engine.cache_info.num_usable_blocks,
-                           prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-                           num_preemptions=self.engine.scheduler.num_preemptions,
-                           steps=self.engine.step_stats.copy(), alive=self._error is None)
+        return EngineStats(
+            num_running=self.engine.scheduler.num_running,
+            num_waiting=self.engine.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_usable_blocks=self.engine.cache_info.num_usable_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.engine.scheduler.num_preemptions,
+            steps=self.engine.step_stats.copy(),
+            alive=self._error is None,
+        )
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
@@ -460,6 +492,7 @@ def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     """Settle ``future`` from the loop thread (unless its caller already gave up)."""
+
     def settle() -> None:
         if future.done():
             return
@@ -467,4 +500,5 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
             future.set_result(None)
         else:
             future.set_exception(error)
+
     _post(future.get_loop(), settle)

@@ -31,8 +31,10 @@ MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
 # Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
 # and prompt positions scored for prompt logprobs.
 MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
-_PAST_IN_FLIGHT = ("a step needs token ids that neither the host nor the previous step's samples hold (the "
-                   "engine scheduled past an in-flight step)")
+_PAST_IN_FLIGHT = (
+    "a step needs token ids that neither the host nor the previous step's samples hold (the "
+    "engine scheduled past an in-flight step)"
+)
 GREEDY = SamplerFlags()
 """Plain greedy sampling (no logprobs, penalties or bias): a one-step batch with these flags and no
 prompt logprobs takes its argmax inside the forward program (``step_programs._step``), with no sampler program."""
@@ -49,7 +51,7 @@ def _replaced(obj, **changes):
 def padded(values: np.ndarray, size: int, fill) -> np.ndarray:
     """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
     a = np.full(size, fill, values.dtype)
-    a[:len(values)] = values
+    a[: len(values)] = values
     return a
 
 
@@ -60,7 +62,7 @@ def _penalty_counts(r: Request) -> dict[int, int]:
         with_prompt = r.sampling_params.repetition_penalty != 1.0
         r.penalty_counts = dict.fromkeys(r.prompt_token_ids, 0) if with_prompt else {}
     counts = r.penalty_counts
-    for t in r.output_token_ids[r.num_penalty_counted:]:
+    for t in r.output_token_ids[r.num_penalty_counted :]:
         counts[t] = counts.get(t, 0) + 1
     r.num_penalty_counted = r.num_output_tokens
     return counts
@@ -73,8 +75,10 @@ def _host_lists(r: Request) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict[
     penalties = None
     if sp.needs_penalties:
         counts = _penalty_counts(r)
-        penalties = (np.fromiter(counts.keys(), np.int32, len(counts)),
-                     np.fromiter(counts.values(), np.float32, len(counts)))
+        penalties = (
+            np.fromiter(counts.keys(), np.int32, len(counts)),
+            np.fromiter(counts.values(), np.float32, len(counts)),
+        )
     bias = dict(sp.logit_bias)
     # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
     if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
@@ -96,8 +100,18 @@ class BatchBuilder:
     """Builds each step's ``StepBatch`` from the scheduler's output, the persistent batch (``slots``)
     and its block table's pending writes."""
 
-    def __init__(self, slots: SequenceSlots, *, block_size: int, max_blocks_per_seq: int, max_num_batched_tokens: int,
-                 max_rows: int, vocab_size: int, gathers_pages: bool, one_device: bool) -> None:
+    def __init__(
+        self,
+        slots: SequenceSlots,
+        *,
+        block_size: int,
+        max_blocks_per_seq: int,
+        max_num_batched_tokens: int,
+        max_rows: int,
+        vocab_size: int,
+        gathers_pages: bool,
+        one_device: bool,
+    ) -> None:
         self.slots = slots
         self.block_table = slots.block_table
         self.block_size = block_size
@@ -145,8 +159,14 @@ class BatchBuilder:
         children = [c for _, c in out.forks]
         R = len(reqs)
         slots = slots_state.slots(reqs)
-        if (self._steady is not None and self._steady[0] is slots and appended and not children
-                and not any(out.num_host_tokens) and all(out.samples)):
+        if (
+            self._steady is not None
+            and self._steady[0] is slots
+            and appended
+            and not children
+            and not any(out.num_host_tokens)
+            and all(out.samples)
+        ):
             return self._next_steady_batch(self._steady[1], slots, out)
         fork_slots = np.fromiter(map(slots_state.slot, children), np.int32, len(children))
         # A multi-step batch is prepared as its first step, a decode step: its rows' steps go along.
@@ -165,7 +185,7 @@ class BatchBuilder:
 
         qsl = np.full(R_b + 1, T, np.int32)
         qsl[0] = 0
-        qsl[1:R + 1] = iota[1:R + 1] if decode else np.cumsum(n)
+        qsl[1 : R + 1] = iota[1 : R + 1] if decode else np.cumsum(n)
         row_of_tok = iota[:R] if decode else np.repeat(iota[:R], n)
         positions = np.zeros(T_b, np.int32)
         positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
@@ -180,11 +200,19 @@ class BatchBuilder:
             tile_row, tile_start, tile_len = build_prefill_tiles(qsl, tile, P_b)
         else:
             tile, (tile_row, tile_start, tile_len) = 1, (np.zeros(0, np.int32),) * 3
-        md = AttentionMetadata(slot_mapping=None, block_tables=None, seq_lens=seq_lens_b,
-                               query_start_loc=qsl, tile_row=tile_row, tile_start=tile_start,
-                               tile_len=tile_len, tile_size=tile)
+        md = AttentionMetadata(
+            slot_mapping=None,
+            block_tables=None,
+            seq_lens=seq_lens_b,
+            query_start_loc=qsl,
+            tile_row=tile_row,
+            tile_start=tile_start,
+            tile_len=tile_len,
+            tile_size=tile,
+        )
         prompt_idx, prompt_targets, prompt_rows = self._prompt_logprob_positions(
-            reqs, np.flatnonzero(slots_state.prompt_logprobs[slots]).tolist(), starts, n, qsl)
+            reqs, np.flatnonzero(slots_state.prompt_logprobs[slots]).tolist(), starts, n, qsl
+        )
         NP = len(prompt_idx)
         NP_b = 0 if NP == 0 else pow2_bucket(NP, floor=MIN_PROMPT_POSITIONS)
         # Sampled rows: one per request, then one per fork (sampled from its parent row's logits).
@@ -192,13 +220,18 @@ class BatchBuilder:
         S = R + len(fork_rows)
         S_b = R_b if not len(fork_rows) else max(R_b, self.row_bucket(self.token_bucket(S)))
         logits_indices = np.zeros(S_b + NP_b, np.int32)
-        logits_indices[:R] = qsl[1:R + 1] - 1
+        logits_indices[:R] = qsl[1 : R + 1] - 1
         logits_indices[R:S] = logits_indices[fork_rows]
-        logits_indices[S_b:S_b + NP] = prompt_idx
+        logits_indices[S_b : S_b + NP] = prompt_idx
         targets = padded(prompt_targets, NP_b, 0)
         prompt_widths = [reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())]
-        sampling, flags = self._sampling_inputs(reqs + children, np.concatenate([slots, fork_slots]) if children else slots,
-                                                np.concatenate([seq_lens, seq_lens[fork_rows]]), S_b, prompt_widths)
+        sampling, flags = self._sampling_inputs(
+            reqs + children,
+            np.concatenate([slots, fork_slots]) if children else slots,
+            np.concatenate([seq_lens, seq_lens[fork_rows]]),
+            S_b,
+            prompt_widths,
+        )
         if all(out.samples):
             slots_state.last_sample_row[slots] = iota[:R]
         else:
@@ -207,13 +240,35 @@ class BatchBuilder:
         slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
         step_writes = np.empty((3, R_b), np.int32)
         table_writes = self.block_table.take_step_writes(step_writes)
-        b = StepBatch(input_ids, positions, token_rows, md, table_rows, W_b, step_writes, table_writes, logits_indices,
-                      prev_index, sampling, targets, prompt_rows, S, flags, out.num_steps, row_steps,
-                      greedy_in_forward=self.greedy_in_forward(flags, out.num_steps, NP_b))
+        b = StepBatch(
+            input_ids,
+            positions,
+            token_rows,
+            md,
+            table_rows,
+            W_b,
+            step_writes,
+            table_writes,
+            logits_indices,
+            prev_index,
+            sampling,
+            targets,
+            prompt_rows,
+            S,
+            flags,
+            out.num_steps,
+            row_steps,
+            greedy_in_forward=self.greedy_in_forward(flags, out.num_steps, NP_b),
+        )
         # A decode step of in-flight tokens whose rows sample at their own indices: the next step of
         # the same sequences reads its tokens where this one samples them.
-        steady = (decode and not children and not NP and all(out.samples)
-                  and np.array_equal(prev_index[:R], iota[:R]))
+        steady = (
+            decode
+            and not children
+            and not NP
+            and all(out.samples)
+            and np.array_equal(prev_index[:R], iota[:R])
+        )
         self._steady = (slots, b) if steady else None
         return b
 
@@ -235,26 +290,43 @@ class BatchBuilder:
         moved = 1 if last.num_steps == 1 else last.row_steps[:R]
         packed = packed.copy()
         for at in (at_pos, at_len):
-            packed[at:at + R] += moved
-        seq_lens = packed[at_len:at_len + R_b]
-        step_writes = packed[at_writes:at_writes + 3 * R_b].reshape(3, R_b)
+            packed[at : at + R] += moved
+        seq_lens = packed[at_len : at_len + R_b]
+        step_writes = packed[at_writes : at_writes + 3 * R_b].reshape(3, R_b)
         table_writes = self.block_table.take_step_writes(step_writes)
         row_steps = self._row_steps(out, R_b)
         width = self._table_width(seq_lens[:R], row_steps)
         if width != layout.table_width:
             layout = InputLayout(layout.shapes, layout.tile_size, width)
-        sampling, flags = self._sampling_inputs(out.requests, slots, seq_lens, last.sampling.temperature.shape[0], [])
+        sampling, flags = self._sampling_inputs(
+            out.requests, slots, seq_lens, last.sampling.temperature.shape[0], []
+        )
         md = _replaced(last.md, seq_lens=seq_lens)
         # The programs' keys are the last batch's but for these (its penalty and bias lists may change).
-        same_programs = (width == last.table_width and flags is last.flags and out.num_steps == last.num_steps
-                         and sampling.penalty_rows.shape == last.sampling.penalty_rows.shape
-                         and sampling.bias_rows.shape == last.sampling.bias_rows.shape)
+        same_programs = (
+            width == last.table_width
+            and flags is last.flags
+            and out.num_steps == last.num_steps
+            and sampling.penalty_rows.shape == last.sampling.penalty_rows.shape
+            and sampling.bias_rows.shape == last.sampling.bias_rows.shape
+        )
         greedy = self.greedy_in_forward(flags, out.num_steps, 0)
         packed[at_greedy] = greedy
-        b = _replaced(last, positions=packed[at_pos:at_pos + T_b], md=md, table_width=width,
-                      step_table_writes=step_writes, table_writes=table_writes, sampling=sampling, flags=flags,
-                      num_steps=out.num_steps, row_steps=row_steps, packed=(packed, layout), greedy_in_forward=greedy,
-                      programs_known=last.programs_known and same_programs)
+        b = _replaced(
+            last,
+            positions=packed[at_pos : at_pos + T_b],
+            md=md,
+            table_width=width,
+            step_table_writes=step_writes,
+            table_writes=table_writes,
+            sampling=sampling,
+            flags=flags,
+            num_steps=out.num_steps,
+            row_steps=row_steps,
+            packed=(packed, layout),
+            greedy_in_forward=greedy,
+            programs_known=last.programs_known and same_programs,
+        )
         self._steady = (slots, b)
         return b
 
@@ -278,11 +350,20 @@ class BatchBuilder:
         if not self.gathers_pages:
             return self.max_blocks_per_seq
         longest = int(seq_lens.max()) + (0 if row_steps is None else int(row_steps.max()) - 1)
-        return pow2_bucket(cdiv(longest, self.block_size), self.max_blocks_per_seq,
-                           floor=MIN_CONTEXT // self.block_size)
+        return pow2_bucket(
+            cdiv(longest, self.block_size), self.max_blocks_per_seq, floor=MIN_CONTEXT // self.block_size
+        )
 
-    def _token_ids(self, reqs: list[Request], slots: np.ndarray, starts: np.ndarray, n: np.ndarray,
-                   host_n: list[int], qsl: np.ndarray, T_b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _token_ids(
+        self,
+        reqs: list[Request],
+        slots: np.ndarray,
+        starts: np.ndarray,
+        n: np.ndarray,
+        host_n: list[int],
+        qsl: np.ndarray,
+        T_b: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` of the step (the host's part of each row's span, its first ``host_n``
         tokens), and ``prev_index``: the row's last token, if its id is still on the device, is the
         previous step's sample at that row."""
@@ -294,16 +375,21 @@ class BatchBuilder:
             src = self.slots.last_sample_row[slots]
             if n.sum() > R or (src < 0).any():
                 raise RuntimeError(_PAST_IN_FLIGHT)
-            prev_index[qsl[1:R + 1] - 1] = src
+            prev_index[qsl[1 : R + 1] - 1] = src
             return input_ids, prev_index
         host_n = np.fromiter(host_n, np.int32, R)
         rows = np.flatnonzero(host_n)
         H = int(host_n.sum())
         if H:
             k = host_n[rows]
-            flat = np.fromiter(itertools.chain.from_iterable(
-                reqs[i].token_ids_slice(s, s + c) for i, s, c in zip(rows.tolist(), starts[rows].tolist(), k.tolist())),
-                np.int32, H)
+            flat = np.fromiter(
+                itertools.chain.from_iterable(
+                    reqs[i].token_ids_slice(s, s + c)
+                    for i, s, c in zip(rows.tolist(), starts[rows].tolist(), k.tolist())
+                ),
+                np.int32,
+                H,
+            )
             within = np.arange(H) - np.repeat(np.cumsum(k) - k, k)
             input_ids[np.repeat(qsl[rows], k) + within] = flat
         pending = np.flatnonzero(host_n < n)
@@ -315,8 +401,9 @@ class BatchBuilder:
         return input_ids, prev_index
 
     @staticmethod
-    def _prompt_logprob_positions(reqs: list[Request], rows: list[int], starts: np.ndarray, n: np.ndarray,
-                                  qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _prompt_logprob_positions(
+        reqs: list[Request], rows: list[int], starts: np.ndarray, n: np.ndarray, qsl: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Flat token indices, next prompt tokens and rows of the prompt positions still to score,
         among ``rows`` (the rows of requests that score their prompt).
 
@@ -331,14 +418,20 @@ class BatchBuilder:
             if lo >= hi:
                 continue
             idx.append(np.arange(lo, hi, dtype=np.int32) - s + qsl[i])
-            targets.append(np.asarray(r.prompt_token_ids[lo + 1:hi + 1], np.int32))
+            targets.append(np.asarray(r.prompt_token_ids[lo + 1 : hi + 1], np.int32))
             out_rows.append(np.full(hi - lo, i, np.int32))
         if not idx:
             return (np.zeros(0, np.int32),) * 3
         return np.concatenate(idx), np.concatenate(targets), np.concatenate(out_rows)
 
-    def _sampling_inputs(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
-                         prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
+    def _sampling_inputs(
+        self,
+        seqs: list[Request],
+        slots: np.ndarray,
+        positions: np.ndarray,
+        S_b: int,
+        prompt_widths: list[int],
+    ) -> tuple[SamplingTensors, SamplerFlags]:
         """``sampling_tensors``, or for a batch of the same sequences as the previous one (the same
         slot array: ``SequenceSlots.slots`` reuses it) whose parameters are fixed (no per-step
         penalty, bias or min_tokens lists) the previous tensors with the new positions."""
@@ -351,8 +444,14 @@ class BatchBuilder:
         self._sampling_cache = (slots, S_b, sampling, flags) if fixed else None
         return sampling, flags
 
-    def sampling_tensors(self, seqs: list[Request], slots: np.ndarray, positions: np.ndarray, S_b: int,
-                          prompt_widths: list[int]) -> tuple[SamplingTensors, SamplerFlags]:
+    def sampling_tensors(
+        self,
+        seqs: list[Request],
+        slots: np.ndarray,
+        positions: np.ndarray,
+        S_b: int,
+        prompt_widths: list[int],
+    ) -> tuple[SamplingTensors, SamplerFlags]:
         """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
         and the grammar bitmask (built only for the sequences that have them), and the flags of the
         batch. A sequence whose lists fail to build goes to ``SequenceSlots.failed`` (one request's
@@ -366,7 +465,7 @@ class BatchBuilder:
             r = seqs[i]
             try:
                 penalties, bias = _host_lists(r)
-            except Exception as e:      # this request's failure: its row runs without its lists
+            except Exception as e:  # this request's failure: its row runs without its lists
                 st.failed[r.request_id] = e
                 continue
             if r.grammar is not None:
@@ -384,29 +483,41 @@ class BatchBuilder:
         n_pen = sum(len(a) for a in pen_rows)
         Np = 0 if not pen_rows else pow2_bucket(n_pen, floor=MIN_PENALTY_PAIRS)
         Nb = 0 if not bias_rows else pow2_bucket(len(bias_rows), floor=MIN_BIAS_ENTRIES)
-        cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
+        cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
         seeds = padded(st.seed[slots], S_b, 0)
-        temperature, top_k, top_p = (padded(st.temperature[slots], S_b, 0.0), padded(st.top_k[slots], S_b, 0),
-                                     padded(st.top_p[slots], S_b, 1.0))
+        temperature, top_k, top_p = (
+            padded(st.temperature[slots], S_b, 0.0),
+            padded(st.top_k[slots], S_b, 0),
+            padded(st.top_p[slots], S_b, 1.0),
+        )
         sampling = SamplingTensors(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=padded(st.min_p[slots], S_b, 0.0),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=padded(st.min_p[slots], S_b, 0.0),
             presence_penalty=padded(st.presence[slots], S_b, 0.0),
             frequency_penalty=padded(st.frequency[slots], S_b, 0.0),
             repetition_penalty=padded(st.repetition[slots], S_b, 1.0),
-            seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
+            seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32),
+            seed_hi=(seeds >> 32).astype(np.uint32),
             position=padded(positions, S_b, 0),
             penalty_rows=padded(cat(pen_rows, np.int32), Np, S_b),
             penalty_tokens=padded(cat(pen_tokens, np.int32), Np, 0),
             penalty_counts=padded(cat(pen_counts, f32), Np, 0.0),
             bias_rows=padded(np.asarray(bias_rows, np.int32), Nb, S_b),
             bias_tokens=padded(np.asarray(bias_tokens, np.int32), Nb, 0),
-            bias_values=padded(np.asarray(bias_values, f32), Nb, 0.0))
+            bias_values=padded(np.asarray(bias_values, f32), Nb, 0.0),
+        )
         if constrained:
             sampling.allowed = fill_bitmask(constrained, S_b, self.vocab_size)
         sampled = temperature > 0
         flags = SamplerFlags(
-            all_greedy=not sampled.any(), penalties=bool(pen_rows), bias=bool(bias_rows),
+            all_greedy=not sampled.any(),
+            penalties=bool(pen_rows),
+            bias=bool(bias_rows),
             top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
             chosen_logprobs=bool(st.chosen_logprobs[slots].any()),
-            num_logprobs=-1 if width < 0 else _logprobs_width(width), bitmask=bool(constrained))
+            num_logprobs=-1 if width < 0 else _logprobs_width(width),
+            bitmask=bool(constrained),
+        )
         return sampling, flags

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from jaxpaged.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
-if TYPE_CHECKING:       # annotations only: ``import jaxpaged`` reads this module and must stay light
+if TYPE_CHECKING:  # annotations only: ``import jaxpaged`` reads this module and must stay light
     from jaxpaged.scheduler import Scheduler
     from jaxpaged.tokenizer import Tokenizer
 
@@ -55,13 +55,21 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         limit = MAX_LOGPROBS // 2
-        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or not 1 <= self.beam_width <= limit:
-            raise ValueError(f"beam_width must be an integer in [1, {limit}] (each step scores the best "
-                             f"2 x beam_width continuations of every beam), got {self.beam_width!r}.")
+        if (
+            not isinstance(self.beam_width, int)
+            or isinstance(self.beam_width, bool)
+            or not 1 <= self.beam_width <= limit
+        ):
+            raise ValueError(
+                f"beam_width must be an integer in [1, {limit}] (each step scores the best "
+                f"2 x beam_width continuations of every beam), got {self.beam_width!r}."
+            )
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
         if self.temperature != 0.0:
-            raise ValueError(f"beam search is deterministic: temperature must be 0, got {self.temperature!r}.")
+            raise ValueError(
+                f"beam search is deterministic: temperature must be 0, got {self.temperature!r}."
+            )
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
         if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
@@ -84,7 +92,7 @@ class BeamSearchSequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -95,7 +103,7 @@ class BeamSearchOutput:
 
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
-    return cum_logprob / (length ** length_penalty)
+    return cum_logprob / (length**length_penalty)
 
 
 @dataclass
@@ -133,39 +141,52 @@ class BeamSearchState:
         self.finished: list[Hypothesis] = []
         self.done = False
 
-    def step(self, beams: list[tuple[float, list[int], list[float]]],
-             candidates: list[tuple[list[int], list[float]]]) -> list[Continuation]:
+    def step(
+        self,
+        beams: list[tuple[float, list[int], list[float]]],
+        candidates: list[tuple[list[int], list[float]]],
+    ) -> list[Continuation]:
         """``beams[i]`` = (cum logprob, generated tokens, their logprobs) of live beam ``i``;
         ``candidates[i]`` = (token ids, logprobs) of its best next tokens (at least 2k)."""
         k = self.params.beam_width
         lp = self.params.length_penalty
-        cands = [Continuation(i, int(t), float(l), beams[i][0] + float(l))
-                 for i, (ids, lps) in enumerate(candidates) for t, l in zip(ids[:2 * k], lps[:2 * k])]
+        cands = [
+            Continuation(i, int(t), float(l), beams[i][0] + float(l))
+            for i, (ids, lps) in enumerate(candidates)
+            for t, l in zip(ids[: 2 * k], lps[: 2 * k])
+        ]
         # Best first; ties keep HF's flattened (beam, token) order.
         cands.sort(key=lambda c: (-c.cum_logprob, c.beam, c.token))
-        cands = cands[:2 * k]
-        g = self.num_generated + 1                       # generated length after this step
+        cands = cands[: 2 * k]
+        g = self.num_generated + 1  # generated length after this step
         at_limit = g >= self.params.max_tokens
         hits = [at_limit or c.token == self.eos for c in cands]
         for c, hit in zip(cands[:k], hits[:k]):
             if hit:
                 _, toks, lps = beams[c.beam]
-                self.finished.append(Hypothesis(toks + [c.token], lps + [c.logprob], c.cum_logprob,
-                                                beam_score(c.cum_logprob, g, lp), c.token == self.eos))
-        self.finished.sort(key=lambda h: -h.score)       # stable: earlier hypotheses win ties
+                self.finished.append(
+                    Hypothesis(
+                        toks + [c.token],
+                        lps + [c.logprob],
+                        c.cum_logprob,
+                        beam_score(c.cum_logprob, g, lp),
+                        c.token == self.eos,
+                    )
+                )
+        self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
         del self.finished[k:]
         running = [c for c, hit in zip(cands, hits) if not hit][:k]
         self.num_generated = g
         if all(hits) or not running:
             self.done = True
         elif k == 1 and self.finished:
-            self.done = True     # HF's num_beams=1 is greedy search: it ends at the first EOS
+            self.done = True  # HF's num_beams=1 is greedy search: it ends at the first EOS
         elif len(self.finished) == k:
             if self.params.early_stopping is True:
                 self.done = True
             else:
-                hyp_len = (self.params.max_tokens if self.params.early_stopping == "never" and lp > 0.0 else g)
-                best_possible = running[0].cum_logprob / (hyp_len ** lp)
+                hyp_len = self.params.max_tokens if self.params.early_stopping == "never" and lp > 0.0 else g
+                best_possible = running[0].cum_logprob / (hyp_len**lp)
                 if best_possible <= self.finished[-1].score:
                     self.done = True
         return [] if self.done else running
@@ -221,8 +242,10 @@ class BeamSearches:
         if any(b.request_id not in search.pending for b in search.beams):
             return None
         beams = search.beams
-        conts = search.state.step([(search.cum[b.request_id], b.output_token_ids, b.output_logprobs) for b in beams],
-                                  [search.pending[b.request_id] for b in beams])
+        conts = search.state.step(
+            [(search.cum[b.request_id], b.output_token_ids, b.output_logprobs) for b in beams],
+            [search.pending[b.request_id] for b in beams],
+        )
         search.pending.clear()
         search.root.reserved_seqs = 0
         for b in beams:
@@ -239,12 +262,20 @@ class BeamSearches:
         for i, b in enumerate(beams):
             for c in children.get(i, [])[1:]:
                 search.num_forks += 1
-                child = Request(request_id=f"beam{search.num_forks}_{search.root.request_id}",
-                                prompt_token_ids=b.prompt_token_ids, sampling_params=b.sampling_params,
-                                max_tokens=b.max_tokens, seed=b.seed, eos_token_id=b.eos_token_id,
-                                cache_salt=b.cache_salt, arrival_time=b.arrival_time, priority=b.priority,
-                                output_token_ids=b.output_token_ids + [c.token],
-                                output_logprobs=b.output_logprobs + [c.logprob], output_top_logprobs=[])
+                child = Request(
+                    request_id=f"beam{search.num_forks}_{search.root.request_id}",
+                    prompt_token_ids=b.prompt_token_ids,
+                    sampling_params=b.sampling_params,
+                    max_tokens=b.max_tokens,
+                    seed=b.seed,
+                    eos_token_id=b.eos_token_id,
+                    cache_salt=b.cache_salt,
+                    arrival_time=b.arrival_time,
+                    priority=b.priority,
+                    output_token_ids=b.output_token_ids + [c.token],
+                    output_logprobs=b.output_logprobs + [c.logprob],
+                    output_top_logprobs=[],
+                )
                 self.scheduler.fork_request(b, child)
                 self.of_beam[child.request_id] = search
                 search.cum[child.request_id] = c.cum_logprob
@@ -263,10 +294,22 @@ class BeamSearches:
 
     def _output(self, search: BeamSearch) -> RequestOutput:
         root = search.root
-        outs = [CompletionOutput(index=rank, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
-                                 token_ids=list(h.token_ids), cumulative_logprob=h.cum_logprob,
-                                 logprobs=[{t: Logprob(l)} for t, l in zip(h.token_ids, h.logprobs)],
-                                 finish_reason="stop" if h.eos else "length")
-                for rank, h in enumerate(search.state.finished)]
-        return RequestOutput(root.request_id, root.prompt, root.prompt_token_ids, outs, finished=True,
-                             metrics={"arrival_time": root.arrival_time, "finished_time": time.time()})
+        outs = [
+            CompletionOutput(
+                index=rank,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                token_ids=list(h.token_ids),
+                cumulative_logprob=h.cum_logprob,
+                logprobs=[{t: Logprob(l)} for t, l in zip(h.token_ids, h.logprobs)],
+                finish_reason="stop" if h.eos else "length",
+            )
+            for rank, h in enumerate(search.state.finished)
+        ]
+        return RequestOutput(
+            root.request_id,
+            root.prompt,
+            root.prompt_token_ids,
+            outs,
+            finished=True,
+            metrics={"arrival_time": root.arrival_time, "finished_time": time.time()},
+        )

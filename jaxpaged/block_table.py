@@ -45,8 +45,11 @@ class BlockTable:
         self._max_blocks = max_blocks_per_seq
         self._mesh = mesh
         shape = (num_device_rows, max_blocks_per_seq)
-        self.tables: jax.Array = (jnp.zeros(shape, jnp.int32) if mesh is None else
-                                  parallel.zeros(shape, jnp.int32, parallel.replicated(mesh)))
+        self.tables: jax.Array = (
+            jnp.zeros(shape, jnp.int32)
+            if mesh is None
+            else parallel.zeros(shape, jnp.int32, parallel.replicated(mesh))
+        )
         """The device tables; the step programs take them donated and return them written."""
         self._owner: list[Request | None] = []
         """The request holding each slot: its ``block_ids`` are the table a newly lent row gets."""
@@ -57,7 +60,7 @@ class BlockTable:
         table, cheaper than a numpy gather and mask of the grown rows."""
         self._row_owner: list[int] = [-1] * num_device_rows
         """The slot holding each device row (-1: free)."""
-        self._free_rows = list(range(num_device_rows - 1, -1, -1))     # popped from the end: lowest first
+        self._free_rows = list(range(num_device_rows - 1, -1, -1))  # popped from the end: lowest first
         self._writes: list[np.ndarray] = []
         """Queued ``[3, n]`` (device row, column, block id) writes, in order."""
 
@@ -127,8 +130,10 @@ class BlockTable:
             running = set(listed)
             idle = [s for s in self._row_owner if s >= 0 and s not in running]
             if len(idle) < short:
-                raise RuntimeError(f"a step runs {len(slots)} sequences but the device block tables have "
-                                   f"{len(self._row_owner)} rows")
+                raise RuntimeError(
+                    f"a step runs {len(slots)} sequences but the device block tables have "
+                    f"{len(self._row_owner)} rows"
+                )
             for s in idle[:short]:
                 self._drop_row(s)
         lent = [self._free_rows.pop() for _ in missing]
@@ -163,9 +168,9 @@ class BlockTable:
         writes = writes[:, n:]
         chunks, largest = [], TABLE_WRITE_SIZES[-1]
         for at in range(0, writes.shape[1], largest):
-            part = writes[:, at:at + largest]
+            part = writes[:, at : at + largest]
             chunk = np.full((3, next(u for u in TABLE_WRITE_SIZES if u >= part.shape[1])), NO_ROW, np.int32)
-            chunk[:, :part.shape[1]] = part
+            chunk[:, : part.shape[1]] = part
             chunks.append(chunk)
         return chunks
 

@@ -14,8 +14,16 @@ from jaxpaged.weights import load_checkpoint
 from jaxpaged.weights.orbax_checkpoint import save_orbax
 
 # Files of an HF tokenizer directory (the weights and config.json are not copied).
-_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                    "*.model", "chat_template.*", "generation_config.json")
+_TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+    "generation_config.json",
+)
 
 
 def save_tokenizer(source: pathlib.Path, output: pathlib.Path) -> list[str]:
@@ -47,7 +55,9 @@ def convert_checkpoint(model: str, output: str | pathlib.Path, dtype: str = "flo
     try:
         output.mkdir(parents=True, exist_ok=True)
         if not save_tokenizer(ckpt.path, output):
-            raise ValueError(f"{ckpt.path} has no tokenizer files; jaxpaged checkpoints carry their tokenizer.")
+            raise ValueError(
+                f"{ckpt.path} has no tokenizer files; jaxpaged checkpoints carry their tokenizer."
+            )
         save_orbax(output, params, ckpt.config, source=str(ckpt.path))
     except BaseException:
         shutil.rmtree(output, ignore_errors=True)

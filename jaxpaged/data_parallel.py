@@ -31,7 +31,7 @@ from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.step_stats import StepStats
 
-if TYPE_CHECKING:       # annotations only: ``engine`` imports this module, and builds the replicas for it
+if TYPE_CHECKING:  # annotations only: ``engine`` imports this module, and builds the replicas for it
     from jaxpaged.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -48,14 +48,14 @@ class Router:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.slack = slack
-        self._home: OrderedDict[int, int] = OrderedDict()    # first-block hash -> replica, LRU
+        self._home: OrderedDict[int, int] = OrderedDict()  # first-block hash -> replica, LRU
         self.num_routed = [0] * num_replicas
         self.num_prefix_routed = 0
 
     def _key(self, token_ids: Sequence[int], cache_salt: str | None) -> int | None:
         if self.block_size is None or len(token_ids) < self.block_size:
             return None
-        return hash_block(root_hash(cache_salt), list(token_ids[:self.block_size]))
+        return hash_block(root_hash(cache_salt), list(token_ids[: self.block_size]))
 
     def choose(self, token_ids: Sequence[int], cache_salt: str | None, loads: Sequence[int]) -> int:
         least = min(range(self.num_replicas), key=lambda i: (loads[i], i))
@@ -99,7 +99,9 @@ class _KVTotals:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(sum(kv.stats.queries for kv in self._kv), sum(kv.stats.hits for kv in self._kv))
+        return PrefixCacheStats(
+            sum(kv.stats.queries for kv in self._kv), sum(kv.stats.hits for kv in self._kv)
+        )
 
     def sharing_stats(self) -> SharingStats:
         parts = [kv.sharing_stats() for kv in self._kv]
@@ -129,9 +131,9 @@ class DataParallelEngine(EngineBase):
     def __init__(self, config: EngineConfig, replica: type[LLMEngine]):
         """``replica``: the engine class of each replica (``LLMEngine.from_engine_args`` passes its own)."""
         p = config.parallel
-        grid = parallel.device_grid(p.tensor_parallel_size, p.data_parallel_size)   # ValueError if too few
+        grid = parallel.device_grid(p.tensor_parallel_size, p.data_parallel_size)  # ValueError if too few
         first = replica(config, devices=list(grid[0]))
-        self.config = config = first.config     # dtype "auto" resolved once, by the first replica
+        self.config = config = first.config  # dtype "auto" resolved once, by the first replica
         cc = config.cache
         if cc.sized_automatically:
             # The first replica sized its pool from the memory free before it; the later ones would find less
@@ -144,11 +146,17 @@ class DataParallelEngine(EngineBase):
         self.max_model_len = first.max_model_len
         self.kv_cache_manager = _KVTotals(self.replicas)
         self.scheduler = _SchedulerTotals(self.replicas)
-        self.cache_info = _CacheTotals(sum(e.cache_info.num_blocks for e in self.replicas),
-                                       sum(e.cache_info.num_usable_blocks for e in self.replicas),
-                                       sum(e.cache_info.num_tokens for e in self.replicas), first.cache_info.block_size)
-        self.router = Router(len(self.replicas), cc.block_size if cc.enable_prefix_caching else None,
-                             slack=config.scheduler.max_num_seqs)
+        self.cache_info = _CacheTotals(
+            sum(e.cache_info.num_blocks for e in self.replicas),
+            sum(e.cache_info.num_usable_blocks for e in self.replicas),
+            sum(e.cache_info.num_tokens for e in self.replicas),
+            first.cache_info.block_size,
+        )
+        self.router = Router(
+            len(self.replicas),
+            cc.block_size if cc.enable_prefix_caching else None,
+            slack=config.scheduler.max_num_seqs,
+        )
         self._replica_of: dict[str, int] = {}
         self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxpaged-dp")
         logger.info("data parallel: %d replicas x %d devices", len(self.replicas), p.tensor_parallel_size)
@@ -163,17 +171,26 @@ class DataParallelEngine(EngineBase):
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | Sequence[int],
-                     sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None,
-                     priority: int = 0) -> Request:
-        return self.replicas[0].make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        return self.replicas[0].make_request(
+            request_id, prompt, sampling_params, arrival_time, cache_salt, priority
+        )
 
     def add_prepared_requests(self, reqs: Sequence[Request]) -> None:
         """Route each request, then queue each replica's share together; all of them or none."""
         shares: dict[int, list[Request]] = {}
         for req in reqs:
-            shares.setdefault(self._route(req.request_id, req.prompt_token_ids, req.cache_salt), []).append(req)
+            shares.setdefault(self._route(req.request_id, req.prompt_token_ids, req.cache_salt), []).append(
+                req
+            )
         added: list[Request] = []
         try:
             for i, share in shares.items():
@@ -185,8 +202,14 @@ class DataParallelEngine(EngineBase):
                 self.abort_request(req.request_id)
             raise
 
-    def add_beam_search_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
-                                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         i = self._route(request_id, ids, cache_salt)
         req = self.replicas[i].add_beam_search_request(request_id, prompt, params, arrival_time, cache_salt)

@@ -13,7 +13,9 @@ class UnspacedSpecialsDetokenizer(IncrementalDetokenizer):
     """``spaces_between_special_tokens=False``: added tokens are decoded on their own and joined to
     the surrounding text with no separator, whatever spaces the tokenizer's decoder would put there."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> None:
         self._added = {i: t.content for i, t in tokenizer.hf.added_tokens_decoder.items()}
         super().__init__(tokenizer, prompt_token_ids, skip_special_tokens)
 
@@ -33,6 +35,8 @@ class UnspacedSpecialsDetokenizer(IncrementalDetokenizer):
         return "".join(pieces)
 
 
-def make_detokenizer(tokenizer: Tokenizer, sp: SamplingParams, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
+def make_detokenizer(
+    tokenizer: Tokenizer, sp: SamplingParams, prompt_token_ids: Sequence[int]
+) -> IncrementalDetokenizer:
     kind = IncrementalDetokenizer if sp.spaces_between_special_tokens else UnspacedSpecialsDetokenizer
     return kind(tokenizer, prompt_token_ids, sp.skip_special_tokens)

@@ -48,10 +48,16 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
     if not coordinator_address:
         raise ValueError("multi-host serving needs --coordinator-address HOST:PORT (the leader's address).")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
-    logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
-                jax.local_device_count(), jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+    logger.info(
+        "process %d of %d: %d local devices, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 class Channel(Protocol):
@@ -149,9 +155,11 @@ def build_engine(args: EngineArgs):
     if p.data_parallel_size != 1:
         raise ValueError("data_parallel_size must be 1 with multi-host serving (one engine spans the hosts).")
     if p.tensor_parallel_size != jax.device_count():
-        raise ValueError(f"with multi-host serving, tensor_parallel_size must equal the number of devices of all "
-                         f"processes ({jax.process_count()} processes, {jax.device_count()} devices); got "
-                         f"{p.tensor_parallel_size}.")
+        raise ValueError(
+            f"with multi-host serving, tensor_parallel_size must equal the number of devices of all "
+            f"processes ({jax.process_count()} processes, {jax.device_count()} devices); got "
+            f"{p.tensor_parallel_size}."
+        )
     if config.scheduler.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' is not supported with multi-host serving; use 'recompute'.")
     engine = LLMEngine(config)

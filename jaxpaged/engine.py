@@ -79,26 +79,37 @@ class LLMEngine(EngineBase):
         """``devices``: the devices of this engine's tensor-parallel group (a data-parallel replica's);
         default: the first ``tensor_parallel_size`` devices."""
         tp = config.parallel.tensor_parallel_size
-        mesh = parallel.engine_mesh(tp, devices)    # before loading: too few devices fails fast
+        mesh = parallel.engine_mesh(tp, devices)  # before loading: too few devices fails fast
         group = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         self.config = config = resolve_auto_dtype(config, group[0].platform)
         mc, cc, sc = config.model, config.cache, config.scheduler
-        matmul = resolve_matmul_backend(config.matmul_backend, dtype=mc.dtype, num_devices=1 if mesh is None else mesh.size,
-                                        quantized=config.quantization == "gguf")
+        matmul = resolve_matmul_backend(
+            config.matmul_backend,
+            dtype=mc.dtype,
+            num_devices=1 if mesh is None else mesh.size,
+            quantized=config.quantization == "gguf",
+        )
         if config.cache_dir:
             jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "xla"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         t0 = time.perf_counter()
         dtype = jnp.dtype(mc.dtype)
         ckpt = load_checkpoint(mc.model, dtype=dtype, revision=mc.revision, download_dir=mc.download_dir)
-        self.tokenizer = Tokenizer.load(mc.tokenizer_source or ckpt.path, revision=mc.tokenizer_revision,
-                                        download_dir=mc.download_dir)
+        self.tokenizer = Tokenizer.load(
+            mc.tokenizer_source or ckpt.path, revision=mc.tokenizer_revision, download_dir=mc.download_dir
+        )
         self.generation_defaults = load_generation_defaults(ckpt.path, mc.generation_config)
         """The model's generation config: defaults of the sampling parameters a request leaves unset, and
         EOS ids (``LLM.get_default_sampling_params`` and the server read it)."""
-        model = build_model(ckpt.config, ckpt.tensors, dtype, resolve_backend(config.attention_backend, dtype=dtype),
-                            params=ckpt.params, matmul_backend=matmul,
-                            quantized=ckpt.quantized if keeps_quantized_blocks(config.quantization, mc.dtype) else None)
+        model = build_model(
+            ckpt.config,
+            ckpt.tensors,
+            dtype,
+            resolve_backend(config.attention_backend, dtype=dtype),
+            params=ckpt.params,
+            matmul_backend=matmul,
+            quantized=ckpt.quantized if keeps_quantized_blocks(config.quantization, mc.dtype) else None,
+        )
         del ckpt
         if mesh is not None:
             model = parallel.shard_model(model, mesh)
@@ -106,21 +117,41 @@ class LLMEngine(EngineBase):
         plan = plan_kv_cache(config, model.shape, dtype.itemsize, group)
         self.cache_info = info = plan.cache_info
         self.max_model_len = plan.max_model_len
-        self.kv_cache_manager = KVCacheManager(info.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
-                                               num_host_blocks=plan.num_host_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            info.num_blocks,
+            cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            num_host_blocks=plan.num_host_blocks,
+        )
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks=info.num_blocks, block_size=cc.block_size, dtype=dtype,
-                                  max_num_batched_tokens=sc.max_num_batched_tokens,
-                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
-                                  num_host_blocks=plan.num_host_blocks)
+        self.runner = ModelRunner(
+            model,
+            num_blocks=info.num_blocks,
+            block_size=cc.block_size,
+            dtype=dtype,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_num_seqs=sc.max_num_seqs,
+            max_model_len=self.max_model_len,
+            num_host_blocks=plan.num_host_blocks,
+        )
         eos_ids = [self.tokenizer.eos_token_id, *self.generation_defaults.eos_token_ids]
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, [t for t in eos_ids if t is not None])
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.vocab_size, [t for t in eos_ids if t is not None]
+        )
         """Structured outputs' grammars for this model's tokenizer (EOS and the generation config's end them)."""
-        self.input_processor = InputProcessor(self.tokenizer, self.generation_defaults, self.grammars, sc,
-                                              self.vocab_size, self.max_model_len, mc.seed)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.generation_defaults,
+            self.grammars,
+            sc,
+            self.vocab_size,
+            self.max_model_len,
+            mc.seed,
+        )
         self._beam_searches = BeamSearches(self.scheduler, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self._beam_searches.of_beam,
-                                                self._fail)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.scheduler, self._beam_searches.of_beam, self._fail
+        )
         self.async_scheduling = config.async_scheduling
         self._in_flight: _InFlight | None = None
         self._failed: list[RequestOutput] = []
@@ -138,11 +169,17 @@ class LLMEngine(EngineBase):
             host_memory.keep_freed_memory()
         if num_precompiled:
             logger.info("precompiled %d step programs in %.1f s", num_precompiled, self.warmup_time)
-        logger.info("loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s%s)",
-                    mc.model, self.load_time, info.num_usable_blocks, cc.block_size,
-                    info.num_tokens, info.num_blocks * info.bytes_per_block / 2**20,
-                    f" per device, {tp} devices" if tp > 1 else "",
-                    ", sized automatically" if cc.sized_automatically else "")
+        logger.info(
+            "loaded %s in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s%s)",
+            mc.model,
+            self.load_time,
+            info.num_usable_blocks,
+            cc.block_size,
+            info.num_tokens,
+            info.num_blocks * info.bytes_per_block / 2**20,
+            f" per device, {tp} devices" if tp > 1 else "",
+            ", sized automatically" if cc.sized_automatically else "",
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine | DataParallelEngine:
@@ -155,13 +192,19 @@ class LLMEngine(EngineBase):
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | Sequence[int],
-                     sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None,
-                     priority: int = 0) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
         """Validate one request and build its state without queueing it (``InputProcessor.make_request``)."""
-        return self.input_processor.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt,
-                                                 priority)
+        return self.input_processor.make_request(
+            request_id, prompt, sampling_params, arrival_time, cache_salt, priority
+        )
 
     def add_prepared_requests(self, reqs: Sequence[Request]) -> None:
         """Queue requests made by ``make_request``, the prompts of one API request, with all their
@@ -198,7 +241,7 @@ class LLMEngine(EngineBase):
             return
         for r in [parent, *parent.forks]:
             if self.scheduler.abort_request(r.request_id) is None and not r.is_finished:
-                r.status = RequestStatus.FINISHED_ABORTED      # a sample not forked yet
+                r.status = RequestStatus.FINISHED_ABORTED  # a sample not forked yet
         parent.pending_forks = ()
         self.output_processor.forget(parent)
 
@@ -213,14 +256,21 @@ class LLMEngine(EngineBase):
         (``saved_fraction`` = (without - used) / without)."""
         return self.kv_cache_manager.sharing_stats()
 
-    def add_beam_search_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
-                                arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Queue a beam search over one prompt; its one ``RequestOutput`` (when finished) holds
         the ``beam_width`` best beams, best first, as ``outputs``."""
         self._check_unused(request_id, [request_id])
         # Greedy rows asking for the top-N logprobs: the N >= 2k best continuations of each beam.
-        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                            logprobs=2 * params.beam_width)
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * params.beam_width
+        )
         root = self.make_request(request_id, prompt, sp, arrival_time, cache_salt)
         self._beam_searches.add(root, params)
         return root
@@ -232,7 +282,11 @@ class LLMEngine(EngineBase):
         previous one's samples (while the new one runs) and return their outputs. Otherwise, or
         when the step needs the previous step's tokens on the host: finish the step in flight,
         then schedule, run and take in a step."""
-        if self.async_scheduling and not self.output_processor.num_synchronous and not self._beam_searches.by_id:
+        if (
+            self.async_scheduling
+            and not self.output_processor.num_synchronous
+            and not self._beam_searches.by_id
+        ):
             launched = self._launch()
             outputs = self._take_in(self._in_flight)
             self._in_flight = launched
@@ -248,7 +302,7 @@ class LLMEngine(EngineBase):
     def _launch(self) -> _InFlight | None:
         """Schedule a step and launch it on the device (not waited for)."""
         out = self.scheduler.schedule()
-        launched = self.runner.launch(out)          # block transfers even when nothing runs (swap-outs of idle beams)
+        launched = self.runner.launch(out)  # block transfers even when nothing runs (swap-outs of idle beams)
         for request_id, error in self.runner.slots.take_failed().items():
             self._fail(request_id, error)
         return None if launched is None else _InFlight(out, launched)
@@ -264,7 +318,7 @@ class LLMEngine(EngineBase):
         outputs = processed.outputs
         for search in processed.beam_searches:
             if search.root.request_id not in self._beam_searches.by_id:
-                continue                            # it failed (``_fail``) after a beam reported
+                continue  # it failed (``_fail``) after a beam reported
             try:
                 output = self._beam_searches.step(search)
             except Exception as e:
@@ -294,9 +348,13 @@ class LLMEngine(EngineBase):
         search = self._beam_searches.of_beam.get(request_id)
         parent = search.root if search is not None else self.output_processor.groups.get(request_id)
         if parent is None:
-            return                                  # already ended
-        logger.error("request %s failed (%s); it ends with an error, the others go on", parent.request_id,
-                     type(error).__name__, exc_info=error)
+            return  # already ended
+        logger.error(
+            "request %s failed (%s); it ends with an error, the others go on",
+            parent.request_id,
+            type(error).__name__,
+            exc_info=error,
+        )
         if search is not None:
             self.abort_request(parent.request_id)
             n = search.params.beam_width
@@ -304,10 +362,18 @@ class LLMEngine(EngineBase):
             for r in [parent, *parent.forks]:
                 if not r.is_finished:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
-                    r.status = RequestStatus.FINISHED_ERROR     # also a sample not forked yet
+                    r.status = RequestStatus.FINISHED_ERROR  # also a sample not forked yet
             parent.pending_forks = ()
             self.output_processor.forget(parent)
             n = parent.sampling_params.n
         outputs = [CompletionOutput(i, "", [], None, None, "error") for i in range(n)]
-        self._failed.append(RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
-                                          {"arrival_time": parent.arrival_time, "finished_time": time.time()}))
+        self._failed.append(
+            RequestOutput(
+                parent.request_id,
+                parent.prompt,
+                parent.prompt_token_ids,
+                outputs,
+                True,
+                {"arrival_time": parent.arrival_time, "finished_time": time.time()},
+            )
+        )

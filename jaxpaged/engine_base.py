@@ -13,10 +13,15 @@ class EngineBase(ABC):
     """``add_request`` and ``add_prepared_request`` in terms of ``make_request`` and ``add_prepared_requests``."""
 
     @abstractmethod
-    def make_request(self, request_id: str, prompt: str | Sequence[int],
-                     sampling_params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None,
-                     priority: int = 0) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
         """Validate one request and build its state without queueing it (raises ``ValueError``).
         ``priority``: lower runs sooner, under the ``priority`` scheduling policy (vLLM's); else 0."""
 
@@ -25,9 +30,15 @@ class EngineBase(ABC):
         """Queue requests made by ``make_request``, the prompts of one API request, with all their
         samples, or none of them."""
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
         req = self.make_request(request_id, prompt, sampling_params, arrival_time, cache_salt, priority)
         self.add_prepared_request(req)
         return req

@@ -20,8 +20,14 @@ logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 GENERATION_CONFIG_MODES = ("auto", "vllm")
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 """The generation config's keys vLLM takes as sampling defaults -> the ``SamplingParams`` field each sets."""
 
 
@@ -53,22 +59,31 @@ def load_generation_defaults(model_path: pathlib.Path, generation_config: str) -
     if generation_config == "vllm":
         return GenerationDefaults(eos_token_ids=eos)
     sampling = {name: raw[key] for key, name in _SAMPLING_KEYS.items() if raw.get(key) is not None}
-    if sampling.get("top_k") == 0:          # transformers' "no top-k"
+    if sampling.get("top_k") == 0:  # transformers' "no top-k"
         sampling["top_k"] = -1
     try:
         SamplingParams(**sampling)
     except ValueError as e:
-        raise ValueError(f"{file}: {e} Fix the file, or pass generation_config='vllm' to ignore its sampling "
-                         "defaults.") from None
+        raise ValueError(
+            f"{file}: {e} Fix the file, or pass generation_config='vllm' to ignore its sampling defaults."
+        ) from None
     if sampling:
-        logger.info("default sampling parameters from %s: %s (requests that set them override them; "
-                    "generation_config='vllm' ignores them)", file, sampling)
+        logger.info(
+            "default sampling parameters from %s: %s (requests that set them override them; "
+            "generation_config='vllm' ignores them)",
+            file,
+            sampling,
+        )
     return GenerationDefaults(sampling, eos)
 
 
 def _eos_token_ids(value: object, file: pathlib.Path) -> tuple[int, ...]:
     """``eos_token_id``: absent, one token id or a list of them."""
     ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}. Fix the file.")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ValueError(
+            f"{file}: eos_token_id must be a token id or a list of them, got {value!r}. Fix the file."
+        )
     return tuple(ids)

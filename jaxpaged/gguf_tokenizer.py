@@ -28,7 +28,7 @@ from jaxpaged.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4      # llama.cpp's token types (1 normal, 5 unused, 6 byte)
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp's token types (1 normal, 5 unused, 6 byte)
 _STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 
@@ -43,32 +43,84 @@ def _cased_words(suffix: str) -> str:
 
 # The regexes of the models' own tokenizer.json files.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 _TEKKEN = _cased_words("") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_GPT4O = _cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_GPT4O = (
+    _cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # ``tokenizer.ggml.pre`` -> the regexes that split text, applied in turn (each splits the pieces the
 # one before left), by llama.cpp's groups of names (llama-vocab.cpp). "default", which llama.cpp also
 # takes for a file naming none, is GPT-2's here, as transformers reads such files (llama.cpp has a
 # fallback of its own and warns that it degrades generation).
 _SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(["default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4",
-                     "gigachat", "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de"], (_GPT2,)),
-    **dict.fromkeys(["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"],
-                    (r"\p{N}", _GPT2)),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano", "dbrx", "smaug-bpe"], (_LLAMA3,)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan"], (_QWEN2,)),
+    **dict.fromkeys(
+        [
+            "default",
+            "gpt-2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+            "gigachat",
+            "a.x-4.0",
+            "mellum",
+            "jina-es",
+            "jina-de",
+            "jina-v2-es",
+            "jina-v2-de",
+        ],
+        (_GPT2,),
+    ),
+    **dict.fromkeys(
+        ["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"], (r"\p{N}", _GPT2)
+    ),
+    **dict.fromkeys(
+        [
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ],
+        (_LLAMA3,),
+    ),
+    **dict.fromkeys(
+        ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan"], (_QWEN2,)
+    ),
     "qwen35": (_QWEN35,),
     "tekken": (_TEKKEN,),
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], (_GPT4O,)),
 }
 # Pre-tokenizers after which a piece that is itself a token is that token, whatever its merges give.
-_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                  "jina-v5-nano", "tekken"}
+_IGNORE_MERGES = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+    "tekken",
+}
 
 _SUPPORTED_MODELS = ("gpt2", "llama")
 
@@ -84,17 +136,35 @@ def build_tokenizer(fields: dict, source: str = "GGUF metadata") -> Tokenizer:
     ``source`` names the file in errors."""
     kind = fields.get("tokenizer.ggml.model")
     if kind not in _SUPPORTED_MODELS or not fields.get("tokenizer.ggml.tokens"):
-        what = "no tokenizer" if kind is None else f"tokenizer.ggml.model {kind!r}, which jaxpaged does not support"
-        raise ValueError(f"{source}: the GGUF has {what} (supported: {', '.join(_SUPPORTED_MODELS)}); give an HF "
-                         "tokenizer directory with `tokenizer` (--tokenizer) instead.")
+        what = (
+            "no tokenizer"
+            if kind is None
+            else f"tokenizer.ggml.model {kind!r}, which jaxpaged does not support"
+        )
+        raise ValueError(
+            f"{source}: the GGUF has {what} (supported: {', '.join(_SUPPORTED_MODELS)}); give an HF "
+            "tokenizer directory with `tokenizer` (--tokenizer) instead."
+        )
     tokens = fields["tokenizer.ggml.tokens"]
     types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     whole = {i for i, t in enumerate(types) if t in (_UNKNOWN, _CONTROL, _USER_DEFINED)}
-    tokenizer = _byte_level(fields, tokens, whole, source) if kind == "gpt2" else _sentencepiece(fields, tokens)
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                  for i in sorted(whole) if types[i] != _USER_DEFINED])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                          for i in sorted(whole) if types[i] == _USER_DEFINED])
+    tokenizer = (
+        _byte_level(fields, tokens, whole, source) if kind == "gpt2" else _sentencepiece(fields, tokens)
+    )
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i in sorted(whole)
+            if types[i] != _USER_DEFINED
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i in sorted(whole)
+            if types[i] == _USER_DEFINED
+        ]
+    )
     tokenizer.post_processor = _post_processor(fields, tokens, add_bos_default=kind == "llama")
     return tokenizer
 
@@ -104,13 +174,16 @@ def _byte_level(fields: dict, tokens: list[str], whole: set[int], source: str) -
     split by the regexes of ``tokenizer.ggml.pre`` (GPT-2's when the file names none)."""
     pre = fields.get("tokenizer.ggml.pre")
     if pre is None:
-        logger.warning("%s: the GGUF names no pre-tokenizer (tokenizer.ggml.pre); splitting text as GPT-2 does.",
-                       source)
+        logger.warning(
+            "%s: the GGUF names no pre-tokenizer (tokenizer.ggml.pre); splitting text as GPT-2 does.", source
+        )
     splits = _SPLITS.get(pre or "default")
     if splits is None:
-        raise ValueError(f"{source}: the GGUF's pre-tokenizer tokenizer.ggml.pre = {pre!r} is not one jaxpaged knows "
-                         f"(known: {', '.join(sorted(_SPLITS))}); give an HF tokenizer directory with `tokenizer` "
-                         "(--tokenizer) instead.")
+        raise ValueError(
+            f"{source}: the GGUF's pre-tokenizer tokenizer.ggml.pre = {pre!r} is not one jaxpaged knows "
+            f"(known: {', '.join(sorted(_SPLITS))}); give an HF tokenizer directory with `tokenizer` "
+            "(--tokenizer) instead."
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     vocab = {}
@@ -118,9 +191,12 @@ def _byte_level(fields: dict, tokens: list[str], whole: set[int], source: str) -
         if i not in whole and not alphabet.issuperset(token):
             token = byte_level.pre_tokenize_str(token)[0][0]
         vocab.setdefault(token, i)
-    tokenizer = Tokenizer(models.BPE(vocab, _merges(fields), fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES))
+    tokenizer = Tokenizer(
+        models.BPE(vocab, _merges(fields), fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits] + [byte_level])
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits] + [byte_level]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -134,10 +210,13 @@ def _sentencepiece(fields: dict, tokens: list[str]) -> Tokenizer:
         vocab.setdefault(token, i)
     merges = _merges(fields) or _merges_by_score(tokens, fields.get("tokenizer.ggml.scores"), vocab)
     unk = _special(fields, tokens, "unknown")
-    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk and unk[0], fuse_unk=True, byte_fallback=True))
+    tokenizer = Tokenizer(
+        models.BPE(vocab, merges, unk_token=unk and unk[0], fuse_unk=True, byte_fallback=True)
+    )
     space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * space_prefix
-                                                + [normalizers.Replace(" ", "▁")])
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁")] * space_prefix + [normalizers.Replace(" ", "▁")]
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * space_prefix)
     return tokenizer
@@ -145,16 +224,24 @@ def _sentencepiece(fields: dict, tokens: list[str]) -> Tokenizer:
 
 def _merges(fields: dict) -> list[tuple[str, str]]:
     """The file's merges, each "left right" split at its first space after the first character."""
-    return [(m[:i], m[i + 1:]) for m in fields.get("tokenizer.ggml.merges") or () if (i := m.find(" ", 1)) > 0]
+    return [
+        (m[:i], m[i + 1 :]) for m in fields.get("tokenizer.ggml.merges") or () if (i := m.find(" ", 1)) > 0
+    ]
 
 
-def _merges_by_score(tokens: list[str], scores: list[float] | None, vocab: dict[str, int]) -> list[tuple[str, str]]:
+def _merges_by_score(
+    tokens: list[str], scores: list[float] | None, vocab: dict[str, int]
+) -> list[tuple[str, str]]:
     """Sentencepiece's rule as BPE merges: every split of a token into two tokens is a merge, ranked by
     the whole token's score (highest first; ties by token id, then by where it splits)."""
     if scores is None:
         raise ValueError("a sentencepiece GGUF tokenizer with no merges needs tokenizer.ggml.scores.")
-    ranked = sorted((-scores[i], i, k, token[:k], token[k:]) for i, token in enumerate(tokens)
-                    for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab)
+    ranked = sorted(
+        (-scores[i], i, k, token[:k], token[k:])
+        for i, token in enumerate(tokens)
+        for k in range(1, len(token))
+        if token[:k] in vocab and token[k:] in vocab
+    )
     return [(left, right) for *_, left, right in ranked]
 
 
@@ -171,8 +258,9 @@ def _post_processor(fields: dict, tokens: list[str], add_bos_default: bool) -> p
         bos, eos = ([f"{ends[end][0]}:{type_id}"] if end in ends else [] for end in ("bos", "eos"))
         return bos + [f"${sequence}:{type_id}"] + eos
 
-    return processors.TemplateProcessing(single=template("A", 0), pair=template("A", 0) + template("B", 1),
-                                         special_tokens=list(ends.values()))
+    return processors.TemplateProcessing(
+        single=template("A", 0), pair=template("A", 0) + template("B", 1), special_tokens=list(ends.values())
+    )
 
 
 def _special(fields: dict, tokens: list[str], name: str) -> tuple[str, int] | None:
@@ -184,8 +272,18 @@ def _special(fields: dict, tokens: list[str], name: str) -> tuple[str, int] | No
 def wrap(tokenizer: Tokenizer, fields: dict) -> transformers.PreTrainedTokenizerFast:
     """``tokenizer`` as a transformers fast tokenizer with the file's special tokens and chat template."""
     tokens = fields["tokenizer.ggml.tokens"]
-    named = {name: _special(fields, tokens, key) for name, key in
-             (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+    named = {
+        name: _special(fields, tokens, key)
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        )
+    }
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, chat_template=fields.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False, **{name: token[0] for name, token in named.items() if token})
+        tokenizer_object=tokenizer,
+        chat_template=fields.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+        **{name: token[0] for name, token in named.items() if token},
+    )

@@ -30,5 +30,7 @@ def keep_freed_memory() -> bool:
     if not _applied and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None)
         if hasattr(libc, "gnu_get_libc_version"):
-            _applied = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            _applied = (
+                libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            )
     return _applied

@@ -129,8 +129,10 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (block 0 is the reserved null block), "
-                             f"got {num_blocks}; give the KV cache more memory.")
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the reserved null block), "
+                f"got {num_blocks}; give the KV cache more memory."
+            )
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks))
@@ -138,8 +140,8 @@ class BlockPool:
         self._clock = num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._block_key: list[tuple[BlockHash, tuple[int, ...], ParentKey] | None] = [None] * num_blocks
-        self._generation = [0] * num_blocks    # bumped whenever a block's contents are replaced
-        self._num_refs = 0                     # sum of ref counts: block-table entries over all owners
+        self._generation = [0] * num_blocks  # bumped whenever a block's contents are replaced
+        self._num_refs = 0  # sum of ref counts: block-table entries over all owners
 
     @property
     def num_usable_blocks(self) -> int:
@@ -185,7 +187,9 @@ class BlockPool:
             return None
         return b
 
-    def cache(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], parent: ParentKey) -> None:
+    def cache(
+        self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], parent: ParentKey
+    ) -> None:
         """Publish a full block under its hash; an existing entry for the hash is kept."""
         if self._block_key[block_id] is None and block_hash not in self._cached:
             self._cached[block_hash] = block_id
@@ -232,8 +236,9 @@ class BlockPool:
         freed_at = self._freed_at
 
         def takes(b: int, mine: int) -> bool:  # free; keeps LRU order; not kept for another table
-            return b in free and ((block_key[b] is None and freed_at[b] >= 0) or freed_at[b] == mine
-                                  or b == next(iter(free)))
+            return b in free and (
+                (block_key[b] is None and freed_at[b] >= 0) or freed_at[b] == mine or b == next(iter(free))
+            )
 
         for table, n in zip(tables, counts):
             mine = _kept_for(table)
@@ -250,7 +255,7 @@ class BlockPool:
                     b, new_run = next(iter(free)), True
                 del free[b]
                 key = block_key[b]
-                if key is not None:           # evict: its contents are about to be overwritten
+                if key is not None:  # evict: its contents are about to be overwritten
                     del self._cached[key[0]]
                     block_key[b] = None
                 ref_counts[b] = 1
@@ -298,8 +303,9 @@ class BlockPool:
         for b, times in Counter(block_ids).items():
             self._check_id(b)
             if self._ref_counts[b] < times:
-                raise ValueError(f"double free of block {b} (ref count {self._ref_counts[b]}, "
-                                 f"freed {times} time(s)).")
+                raise ValueError(
+                    f"double free of block {b} (ref count {self._ref_counts[b]}, freed {times} time(s))."
+                )
         for b in block_ids:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
@@ -351,9 +357,14 @@ class KVCacheManager:
     ``[i * block_size, (i + 1) * block_size)``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 hash_fn: Callable[[BlockHash, Sequence[int]], BlockHash] = hash_block,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        hash_fn: Callable[[BlockHash, Sequence[int]], BlockHash] = hash_block,
+        num_host_blocks: int = 0,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
@@ -395,9 +406,9 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         cow = self._copy_on_write_index(request, num_new_tokens)
         if cow is None and total <= len(block_ids) * self.block_size:
-            if num_new_tokens > 0:         # the block it writes next is its own
+            if num_new_tokens > 0:  # the block it writes next is its own
                 self.shared_tails.discard(request.request_id)
-            return True                    # the common decode step: room left in a private last block
+            return True  # the common decode step: room left in a private last block
         missing = max(0, self.blocks_needed(total) - len(block_ids))
         needed = missing + (cow is not None)
         if needed > self.pool.num_free_blocks:
@@ -406,7 +417,7 @@ class KVCacheManager:
             src = request.block_ids[cow]
             dst = self.pool.allocate(1)[0]
             request.block_ids[cow] = dst
-            self.pool.free([src])          # still held by its other owners
+            self.pool.free([src])  # still held by its other owners
             self._pending_copies.append((src, dst))
         first = len(block_ids) if cow is None else cow
         self.pool.append_runs([block_ids], [missing], 0 if block_ids else self._growth_room(request, missing))
@@ -426,13 +437,15 @@ class KVCacheManager:
         grown, tables, counts, firsts = [], [], [], []
         for r in requests:
             table = r.block_ids
-            c = -(-r.num_computed_tokens // bs) - len(table)     # cdiv inline: no call per row in the step's loop
+            c = -(-r.num_computed_tokens // bs) - len(
+                table
+            )  # cdiv inline: no call per row in the step's loop
             if c > 0:
                 grown.append(r)
                 tables.append(table)
                 counts.append(c)
                 firsts.append(len(table))
-        self.pool.append_runs(tables, counts)      # all or nothing: raises before changing anything
+        self.pool.append_runs(tables, counts)  # all or nothing: raises before changing anything
         mark = self._mark_changed
         for r, first in zip(grown, firsts):
             mark(r, first)
@@ -528,8 +541,12 @@ class KVCacheManager:
         At least the last known token is always left to compute (its logits are needed). A request that
         scores its prompt (``prompt_logprobs``) takes no hits: a cached position's logits are not kept (vLLM's rule).
         """
-        if (not self.enable_caching or request.block_ids or request.host_block_ids
-                or request.sampling_params.prompt_logprobs is not None):
+        if (
+            not self.enable_caching
+            or request.block_ids
+            or request.host_block_ids
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return 0
         num_full = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, num_full)[:num_full]
@@ -562,7 +579,7 @@ class KVCacheManager:
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
-        request.num_published_blocks = 0        # its block hashes stay: they depend on its tokens only
+        request.num_published_blocks = 0  # its block hashes stay: they depend on its tokens only
 
     def _parent_key(self, request: Request, block_ids: list[int], i: int) -> ParentKey:
         return root_hash(request.cache_salt) if i == 0 else self.pool.parent_key(block_ids[i - 1])
@@ -605,7 +622,7 @@ class KVCacheManager:
             for i in range(done, num_full):
                 lo = i * bs - p
                 if i and lo >= 0:
-                    tokens = tuple(outputs[lo:lo + bs])
+                    tokens = tuple(outputs[lo : lo + bs])
                     parent = parent_key(block_ids[i - 1])
                 else:
                     tokens = self._block_tokens(request, i)

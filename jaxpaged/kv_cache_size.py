@@ -81,11 +81,17 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def auto_kv_cache_memory(bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                         devices: Sequence[jax.Device], gpu_memory_utilization: float | None = None) -> int:
+def auto_kv_cache_memory(
+    bytes_per_block: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    devices: Sequence[jax.Device],
+    gpu_memory_utilization: float | None = None,
+) -> int:
     """Bytes per device for the page pool (see the module's docstring); ``bytes_per_block`` is per device."""
     blocks_per_seq = cdiv(max_model_len, block_size)
-    need = (max_num_seqs * blocks_per_seq + 1) * bytes_per_block      # + the reserved null block
+    need = (max_num_seqs * blocks_per_seq + 1) * bytes_per_block  # + the reserved null block
     size = min(need, least_budget_bytes(devices, gpu_memory_utilization))
     if devices[0].platform == "cpu" and gpu_memory_utilization is None:
         size = min(size, CPU_CAP)

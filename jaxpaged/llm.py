@@ -44,9 +44,12 @@ class LLM:
         """Blocks used vs. blocks without sharing, now (see ``LLMEngine.sharing_stats``)."""
         return self.engine.sharing_stats()
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or prompt dicts (``PromptInput``); returns one ``RequestOutput``
         per prompt, in order. Without ``sampling_params``, ``get_default_sampling_params()``.
 
@@ -59,12 +62,18 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 "give one, or one per prompt.")
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                    "give one, or one per prompt."
+                )
         # Only the final outputs are returned: the engine builds no per-step outputs (vLLM does the same).
         final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params}
-        reqs = [self.engine.make_request(f"llm-{next(self._ids)}", p.prompt, final[id(sp)], cache_salt=p.cache_salt)
-                for p, sp in zip(prompts, params)]
+        reqs = [
+            self.engine.make_request(
+                f"llm-{next(self._ids)}", p.prompt, final[id(sp)], cache_salt=p.cache_salt
+            )
+            for p, sp in zip(prompts, params)
+        ]
         added = []
         try:
             for r in reqs:
@@ -76,8 +85,9 @@ class LLM:
             raise
         return self._run(reqs, use_tqdm)
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's ``LLM.beam_search``), with transformers' semantics for
         ``length_penalty`` and ``early_stopping``: one ``BeamSearchOutput`` per prompt, in order, each
         with ``beam_width`` sequences, best score first. Prompts are strings, token-id lists, or
@@ -86,8 +96,11 @@ class LLM:
         added = []
         try:
             for p in prompts:
-                added.append(self.engine.add_beam_search_request(f"llm-{next(self._ids)}", p.prompt, params,
-                                                                 cache_salt=p.cache_salt))
+                added.append(
+                    self.engine.add_beam_search_request(
+                        f"llm-{next(self._ids)}", p.prompt, params, cache_salt=p.cache_salt
+                    )
+                )
         except ValueError:
             for r in added:
                 self.engine.abort_request(r.request_id)
@@ -95,23 +108,44 @@ class LLM:
         results = []
         for out in self._run(added, use_tqdm):
             n = len(out.prompt_token_ids)
-            results.append(BeamSearchOutput([BeamSearchSequence(
-                tokens=out.prompt_token_ids + c.token_ids, logprobs=c.logprobs, cum_logprob=c.cumulative_logprob,
-                score=_FAILED_SCORE if c.finish_reason == "error" else
-                beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty), text=c.text,
-                finish_reason=c.finish_reason, num_prompt_tokens=n) for c in out.outputs]))
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            logprobs=c.logprobs,
+                            cum_logprob=c.cumulative_logprob,
+                            score=_FAILED_SCORE
+                            if c.finish_reason == "error"
+                            else beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
+                            text=c.text,
+                            finish_reason=c.finish_reason,
+                            num_prompt_tokens=n,
+                        )
+                        for c in out.outputs
+                    ]
+                )
+            )
         return results
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, Jinja text, as vLLM's; else the tokenizer's) to one
         conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
-                   for c in convs]
+        prompts = [
+            tok.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            for c in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:

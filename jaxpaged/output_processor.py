@@ -57,8 +57,13 @@ class ProcessedStep:
 class OutputProcessor:
     """The live samples' detokenizers and groups, and the per-step processing of their tokens."""
 
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, beam_of: dict[str, BeamSearch],
-                 fail: Callable[[str, Exception], None]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        beam_of: dict[str, BeamSearch],
+        fail: Callable[[str, Exception], None],
+    ) -> None:
         """``beam_of``: each live beam's search (``BeamSearches.of_beam``); ``fail``: ends a request
         whose own processing raised (``LLMEngine._fail``)."""
         self.tokenizer = tokenizer
@@ -79,8 +84,11 @@ class OutputProcessor:
     def make_detokenizers(self, reqs: Sequence[Request]) -> list[IncrementalDetokenizer]:
         """The detokenizers of every sample of ``reqs``, in order (built before the requests are queued:
         once the scheduler holds them, nothing left may fail)."""
-        return [make_detokenizer(self.tokenizer, req.sampling_params, r.prompt_token_ids)
-                for req in reqs for r in (req, *req.forks)]
+        return [
+            make_detokenizer(self.tokenizer, req.sampling_params, r.prompt_token_ids)
+            for req in reqs
+            for r in (req, *req.forks)
+        ]
 
     def add_requests(self, reqs: Sequence[Request], detokenizers: Sequence[IncrementalDetokenizer]) -> None:
         """Track the samples of ``reqs``, just queued, with their ``make_detokenizers``."""
@@ -118,7 +126,7 @@ class OutputProcessor:
         outputs = []
         for parent in touched.values():
             if parent.request_id not in self.groups:
-                continue                            # one of its samples failed (``_fail``) after it reported
+                continue  # one of its samples failed (``_fail``) after it reported
             try:
                 output = self._make_output(parent)
             except Exception as e:
@@ -130,8 +138,14 @@ class OutputProcessor:
                 self.forget(parent)
         return ProcessedStep(outputs, list(searches.values()), num_first_or_dropped)
 
-    def _append_steps(self, out: SchedulerOutput, sampled, now: float, touched: dict[str, Request],
-                      searches: dict[str, BeamSearch]) -> int:
+    def _append_steps(
+        self,
+        out: SchedulerOutput,
+        sampled,
+        now: float,
+        touched: dict[str, Request],
+        searches: dict[str, BeamSearch],
+    ) -> int:
         """A multi-step batch's samples (``[num_steps, rows]`` arrays), row by row. A row with no stop
         strings (``final_stop_ids`` or ``stream_stop_ids``) and no logprobs in the batch, none of whose
         tokens ends it, takes them all at once (a streamed one: detokenized at once, as one delta);
@@ -163,13 +177,17 @@ class OutputProcessor:
             rest.extend(range(j * k, j * k + n))
         if rest:
             # Row-major: entry j * k + t is row j's sample of step t.
-            flat = jax.tree_util.tree_map(lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), sampled)
-            return num_first + self._append_samples(((i, out.requests[i // k]) for i in rest), flat, now, touched,
-                                                    searches)
+            flat = jax.tree_util.tree_map(
+                lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), sampled
+            )
+            return num_first + self._append_samples(
+                ((i, out.requests[i // k]) for i in rest), flat, now, touched, searches
+            )
         return num_first
 
-    def _append_samples(self, rows, sampled, now: float, touched: dict[str, Request],
-                        searches: dict[str, BeamSearch]) -> int:
+    def _append_samples(
+        self, rows, sampled, now: float, touched: dict[str, Request], searches: dict[str, BeamSearch]
+    ) -> int:
         """Append one step's sampled token to each ``(row, request)`` of ``rows`` and check its stops;
         the groups with something to report go to ``touched``, the beam searches to ``searches``.
         Returns how many of the tokens were a sample's first or were dropped (counted in these rare
@@ -184,13 +202,15 @@ class OutputProcessor:
             if req.status is not running and req.is_finished:
                 num_first_or_dropped += 1
                 continue
-            try:                            # one request's failure is its own (``_fail``), not the step's
+            try:  # one request's failure is its own (``_fail``), not the step's
                 if beam_of:
                     search = beam_of.get(req.request_id)
                     if search is not None:
                         k2 = 2 * search.params.beam_width
-                        search.pending[req.request_id] = (sampled.top_ids[i, :k2].tolist(),
-                                                          sampled.top_logprobs[i, :k2].tolist())
+                        search.pending[req.request_id] = (
+                            sampled.top_ids[i, :k2].tolist(),
+                            sampled.top_logprobs[i, :k2].tolist(),
+                        )
                         req.waiting_for_group = True
                         searches[search.root.request_id] = search
                         continue
@@ -201,18 +221,24 @@ class OutputProcessor:
                 token, sp = tokens[i], req.sampling_params
                 ids.append(token)
                 if req.grammar is not None:
-                    req.grammar.accept(token)           # its verdict is read by ``_stop_status``
+                    req.grammar.accept(token)  # its verdict is read by ``_stop_status``
                 if logprobs and sp.needs_logprobs:
                     req.output_logprobs.append(logprobs[i])
                 if req.output_top_logprobs is not None:
-                    req.output_top_logprobs.append(self._token_logprobs(
-                        token, logprobs[i], int(sampled.ranks[i]), sampled.top_ids[i, :sp.logprobs],
-                        sampled.top_logprobs[i, :sp.logprobs]))
+                    req.output_top_logprobs.append(
+                        self._token_logprobs(
+                            token,
+                            logprobs[i],
+                            int(sampled.ranks[i]),
+                            sampled.top_ids[i, : sp.logprobs],
+                            sampled.top_logprobs[i, : sp.logprobs],
+                        )
+                    )
                 # The common decode step: with no stop strings only EOS, a stop id or the length limit can
                 # end a sample, and none does here.
                 stops = req.final_stop_ids
                 if stops is not None and len(ids) < req.max_tokens and token not in stops:
-                    continue                    # detokenized when it ends (``_check_stop``)
+                    continue  # detokenized when it ends (``_check_stop``)
                 stops = req.stream_stop_ids
                 if stops is not None and len(ids) < req.max_tokens and token not in stops:
                     self._passed(req, (token,), touched)
@@ -245,8 +271,15 @@ class OutputProcessor:
             req = reqs[row]
             k = req.sampling_params.prompt_logprobs
             try:
-                req.prompt_logprobs.append(self._token_logprobs(
-                    int(p.tokens[j]), float(p.logprobs[j]), int(p.ranks[j]), p.top_ids[j, :k], p.top_logprobs[j, :k]))
+                req.prompt_logprobs.append(
+                    self._token_logprobs(
+                        int(p.tokens[j]),
+                        float(p.logprobs[j]),
+                        int(p.ranks[j]),
+                        p.top_ids[j, :k],
+                        p.top_logprobs[j, :k],
+                    )
+                )
             except Exception as e:
                 self._fail()(req.request_id, e)
 
@@ -272,7 +305,7 @@ class OutputProcessor:
             detok = self._detokenizers[req.request_id]
             before = len(detok.text)
             detok.step(ids[-1:])
-        elif self._stop_status(req, "", 0) is None:     # its stops do not read the text
+        elif self._stop_status(req, "", 0) is None:  # its stops do not read the text
             return None
         else:
             detok = self._detokenizers[req.request_id]
@@ -293,7 +326,9 @@ class OutputProcessor:
         sp, ids = req.sampling_params, req.output_token_ids
         num_outputs, token = len(ids), ids[-1]
         grammar = req.grammar
-        if grammar is not None and (grammar.error is not None or (grammar.complete and num_outputs < sp.min_tokens)):
+        if grammar is not None and (
+            grammar.error is not None or (grammar.complete and num_outputs < sp.min_tokens)
+        ):
             return RequestStatus.FINISHED_ERROR
         if num_outputs < sp.min_tokens:
             return None
@@ -301,10 +336,11 @@ class OutputProcessor:
         if eos or token in sp.stop_token_ids:
             req.stop_reason = None if eos else token
             if not sp.include_stop_str_in_output:
-                req.output_text_end = before        # the stop token's own text is not output
+                req.output_text_end = before  # the stop token's own text is not output
             return RequestStatus.FINISHED_STOPPED
-        hits = sp.stop and [(at, stop) for stop in sp.stop
-                            if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        hits = sp.stop and [
+            (at, stop) for stop in sp.stop if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0
+        ]
         if hits:
             at, stop = min(hits, key=lambda h: h[0])
             req.stop_reason = stop
@@ -324,19 +360,27 @@ class OutputProcessor:
         end = len(full) if req.output_text_end is None else req.output_text_end
         if sp.stop and not sp.include_stop_str_in_output and not req.is_finished:
             end -= _stop_prefix_len(full, sp.stop, end)
-        delta_text, req.num_text_sent = full[req.num_text_sent:end], end
+        delta_text, req.num_text_sent = full[req.num_text_sent : end], end
         ids, sent = req.output_token_ids, req.num_tokens_sent
         req.num_tokens_sent = len(ids)
         delta_ids = ids[sent:]
         top = req.output_top_logprobs
-        if sp.output_kind is RequestOutputKind.DELTA:       # O(new tokens): nothing old is copied
+        if sp.output_kind is RequestOutputKind.DELTA:  # O(new tokens): nothing old is copied
             text, token_ids, top = delta_text, delta_ids, None if top is None else top[sent:]
         else:
             text, token_ids, top = full[:end], list(ids), None if top is None else list(top)
         # Positional: a dataclass's keyword call is slower, and this runs per sample per step.
-        return CompletionOutput(req.sample_index, text, token_ids,
-                                req.cumulative_logprob if sp.needs_logprobs else None, top,
-                                req.status.finish_reason, req.stop_reason, delta_text, delta_ids)
+        return CompletionOutput(
+            req.sample_index,
+            text,
+            token_ids,
+            req.cumulative_logprob if sp.needs_logprobs else None,
+            top,
+            req.status.finish_reason,
+            req.stop_reason,
+            delta_text,
+            delta_ids,
+        )
 
     def _make_output(self, parent: Request) -> RequestOutput | None:
         """The request's output, or None while ``best_of > n`` samples run (the best are only known at
@@ -347,10 +391,13 @@ class OutputProcessor:
         if not finished and (sp.best_of > sp.n or sp.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
         if sp.best_of > sp.n:
-            samples = sorted(samples, key=lambda r: r.cumulative_logprob, reverse=True)[:sp.n]
+            samples = sorted(samples, key=lambda r: r.cumulative_logprob, reverse=True)[: sp.n]
         metrics = {"arrival_time": parent.arrival_time, "first_scheduled_time": parent.first_scheduled_time}
-        first = (parent.first_token_time if not forks else
-                 min((t for r in samples if (t := r.first_token_time) is not None), default=None))
+        first = (
+            parent.first_token_time
+            if not forks
+            else min((t for r in samples if (t := r.first_token_time) is not None), default=None)
+        )
         if first is not None:
             metrics["first_token_time"] = first
         if finished:
@@ -360,7 +407,13 @@ class OutputProcessor:
             if sp.output_kind is not RequestOutputKind.DELTA:
                 prompt_logprobs = list(prompt_logprobs)
             elif any(r.num_tokens_sent for r in samples):
-                prompt_logprobs = None              # sent with the first output
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             [self._completion(r) for r in samples], finished, metrics,
-                             prompt_logprobs)
+                prompt_logprobs = None  # sent with the first output
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            [self._completion(r) for r in samples],
+            finished,
+            metrics,
+            prompt_logprobs,
+        )

@@ -51,7 +51,7 @@ from jaxpaged.kernels.sharded import KV_PAGES, TP_AXIS, tp_size
 logger = logging.getLogger(__name__)
 
 DP_AXIS = "dp"
-_FUSED = ("qkv_proj", "gate_up_proj")   # column-parallel modules with several sections
+_FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel modules with several sections
 _VOCAB_MODULES = ("embed_tokens", "lm_head")
 
 
@@ -76,13 +76,18 @@ def device_grid(tp: int, dp: int = 1, devices: Sequence[Any] | None = None) -> n
     if tp < 1 or dp < 1:
         raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tp} and {dp}.")
     if tp * dp > len(devices):
-        what = (f"tensor_parallel_size={tp}" if dp == 1 else
-                f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp}")
-        raise ValueError(f"{what} needs {tp * dp} devices, but only {len(devices)} are available "
-                         f"({devices[0].platform if devices else 'none'}). On CPU, more virtual devices come from "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax starts.")
+        what = (
+            f"tensor_parallel_size={tp}"
+            if dp == 1
+            else f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp}"
+        )
+        raise ValueError(
+            f"{what} needs {tp * dp} devices, but only {len(devices)} are available "
+            f"({devices[0].platform if devices else 'none'}). On CPU, more virtual devices come from "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax starts."
+        )
     grid = np.empty((dp, tp), dtype=object)
-    for i, d in enumerate(devices[:tp * dp]):
+    for i, d in enumerate(devices[: tp * dp]):
         grid[i // tp, i % tp] = d
     return grid
 
@@ -102,7 +107,9 @@ def engine_mesh(tensor_parallel_size: int, devices: Sequence[Any] | None = None)
             return None
         devices = device_grid(tensor_parallel_size)[0]
     if len(devices) != tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but {len(devices)} devices were given.")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} but {len(devices)} devices were given."
+        )
     return make_mesh(devices)
 
 
@@ -121,8 +128,10 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, tp: int) -> int:
     """How many times each kv head is repeated so that ``tp`` shards each hold whole kv heads for
     their query heads; ValueError when the query heads cannot be split evenly."""
     if num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention (query) "
-                         f"heads; use a tensor_parallel_size that divides {num_heads}.")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention (query) "
+            f"heads; use a tensor_parallel_size that divides {num_heads}."
+        )
     return tp // math.gcd(num_kv_heads, tp)
 
 
@@ -146,6 +155,7 @@ def _repeat_kv(a: Any, q_size: int, kv_heads: int, head_dim: int, r: int) -> Any
         x = x.reshape(*x.shape[:-1], kv_heads, 1, head_dim)
         x = xp.broadcast_to(x, (*x.shape[:-2], r, head_dim))
         return x.reshape(*x.shape[:-3], kv_heads * r * head_dim)
+
     return xp.concatenate([q, rep(k), rep(v)], axis=-1)
 
 
@@ -155,16 +165,24 @@ def shard_model(model: BuiltModel, mesh: Mesh) -> BuiltModel:
     or device arrays); ``place_params`` puts them into their shards."""
     module, n = model.module, tp_size(mesh)
     if "mesh" not in {f.name for f in dataclasses.fields(module)}:
-        raise ValueError(f"{type(module).__name__} does not support tensor parallelism (no mesh field); "
-                         "use tensor_parallel_size=1.")
+        raise ValueError(
+            f"{type(module).__name__} does not support tensor parallelism (no mesh field); "
+            "use tensor_parallel_size=1."
+        )
     cfg = module.cfg
     r = kv_head_repeats(cfg.num_heads, cfg.num_kv_heads, n)
     if cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size={n} does not divide the MLP width {cfg.intermediate_size}.")
     new_cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
     if r > 1:
-        logger.info("tensor parallel: %d kv heads repeated %dx (%d kv heads, %d per device) for %d devices",
-                    cfg.num_kv_heads, r, new_cfg.num_kv_heads, new_cfg.num_kv_heads // n, n)
+        logger.info(
+            "tensor parallel: %d kv heads repeated %dx (%d kv heads, %d per device) for %d devices",
+            cfg.num_kv_heads,
+            r,
+            new_cfg.num_kv_heads,
+            new_cfg.num_kv_heads // n,
+            n,
+        )
 
     def relayout(path, a):
         names = [getattr(k, "key", str(k)) for k in path]
@@ -195,14 +213,21 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
             return replicated(mesh)
         if a.shape[axis] % n:
             if any(m in names for m in _VOCAB_MODULES):
-                logger.info("tensor parallel: %s (%s) replicated: %d does not divide by %d",
-                            "/".join(names), "x".join(map(str, a.shape)), a.shape[axis], n)
+                logger.info(
+                    "tensor parallel: %s (%s) replicated: %d does not divide by %d",
+                    "/".join(names),
+                    "x".join(map(str, a.shape)),
+                    a.shape[axis],
+                    n,
+                )
                 return replicated(mesh)
-            raise ValueError(f"tensor_parallel_size={n} does not divide axis {axis} of {'/'.join(names)} "
-                             f"{tuple(a.shape)}.")
+            raise ValueError(
+                f"tensor_parallel_size={n} does not divide axis {axis} of {'/'.join(names)} {tuple(a.shape)}."
+            )
         parts = [None] * nd
         parts[axis] = TP_AXIS
         return NamedSharding(mesh, P(*parts))
+
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
@@ -217,6 +242,7 @@ def place_params(params: Any, mesh: Mesh | None) -> Any:
             return jax.device_put(a, sharding)
         host = np.asarray(a)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
     return jax.tree_util.tree_map(put, params, param_shardings(params, mesh))
 
 
@@ -228,16 +254,20 @@ def zeros(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.Arra
 def memory_per_device(params: Any, kv_pages: jax.Array) -> dict[Any, DeviceMemory]:
     """Bytes of parameter and KV-page shards on each of this process's devices (replicated
     params count on every device that holds them)."""
+
     def tally(tree) -> dict[Any, int]:
         out: dict[Any, int] = {}
         for leaf in jax.tree_util.tree_leaves(tree):
             for shard in leaf.addressable_shards:
                 out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
         return out
+
     p, kv = tally(params), tally(kv_pages)
     return {d: DeviceMemory(p.get(d, 0), kv.get(d, 0)) for d in sorted(set(p) | set(kv), key=lambda d: d.id)}
 
 
 def format_memory(mem: dict[Any, DeviceMemory]) -> str:
-    return "; ".join(f"{d}: {m.total / 2**20:.1f} MiB (params {m.params / 2**20:.1f}, KV {m.kv_cache / 2**20:.1f})"
-                     for d, m in mem.items())
+    return "; ".join(
+        f"{d}: {m.total / 2**20:.1f} MiB (params {m.params / 2**20:.1f}, KV {m.kv_cache / 2**20:.1f})"
+        for d, m in mem.items()
+    )

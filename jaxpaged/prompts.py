@@ -35,7 +35,8 @@ def parse_prompt(prompt: PromptInput, where: str = "prompt") -> ParsedPrompt:
 
 def parse_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[ParsedPrompt]:
     """One prompt or a list of them (a list of ints is one prompt of token ids), parsed in order."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                            and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
         prompts = [prompts]
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]

@@ -59,8 +59,12 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 @dataclass(eq=False, slots=True)
@@ -205,8 +209,8 @@ class Request:
         if stop <= p:
             return self.prompt_token_ids[start:stop]
         if start >= p:
-            return self.output_token_ids[start - p:stop - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     @property
     def is_finished(self) -> bool:

@@ -66,22 +66,22 @@ class SamplingTensors:
     prompt (when it has a repetition penalty) or output, with its count in the output.
     """
 
-    temperature: jax.Array         # [R] f32; 0 = greedy
-    top_k: jax.Array               # [R] int32; 0 = off
-    top_p: jax.Array               # [R] f32; 1 = off
-    min_p: jax.Array               # [R] f32; 0 = off
-    presence_penalty: jax.Array    # [R] f32
-    frequency_penalty: jax.Array   # [R] f32
+    temperature: jax.Array  # [R] f32; 0 = greedy
+    top_k: jax.Array  # [R] int32; 0 = off
+    top_p: jax.Array  # [R] f32; 1 = off
+    min_p: jax.Array  # [R] f32; 0 = off
+    presence_penalty: jax.Array  # [R] f32
+    frequency_penalty: jax.Array  # [R] f32
     repetition_penalty: jax.Array  # [R] f32
-    seed_lo: jax.Array             # [R] uint32
-    seed_hi: jax.Array             # [R] uint32
-    position: jax.Array            # [R] int32: sequence index of the token being sampled
-    penalty_rows: jax.Array        # [Np] int32
-    penalty_tokens: jax.Array      # [Np] int32
-    penalty_counts: jax.Array      # [Np] f32: occurrences in the output
-    bias_rows: jax.Array           # [Nb] int32
-    bias_tokens: jax.Array         # [Nb] int32
-    bias_values: jax.Array         # [Nb] f32 (-inf masks a token)
+    seed_lo: jax.Array  # [R] uint32
+    seed_hi: jax.Array  # [R] uint32
+    position: jax.Array  # [R] int32: sequence index of the token being sampled
+    penalty_rows: jax.Array  # [Np] int32
+    penalty_tokens: jax.Array  # [Np] int32
+    penalty_counts: jax.Array  # [Np] f32: occurrences in the output
+    bias_rows: jax.Array  # [Nb] int32
+    bias_tokens: jax.Array  # [Nb] int32
+    bias_values: jax.Array  # [Nb] f32 (-inf masks a token)
     allowed: jax.Array = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     """[R, ceil(V / 32)] int32 with ``SamplerFlags.bitmask``: bit ``t % 32`` of word ``t // 32`` set where
     token ``t`` is allowed (all set on unconstrained rows; none past V), llguidance's packed layout; else [0, 0]."""
@@ -92,10 +92,10 @@ class SamplingTensors:
 class SamplerOutput:
     """Sampled tokens with their raw logprobs; with ``num_logprobs`` = N >= 0, ranks and top N."""
 
-    tokens: jax.Array        # [R] int32
-    logprobs: jax.Array      # [R] f32: log_softmax(raw logits)[token], or [0] when no row wants them
-    ranks: jax.Array         # [R] int32 (1 = most likely), or [0] without logprobs
-    top_ids: jax.Array       # [R, N] int32
+    tokens: jax.Array  # [R] int32
+    logprobs: jax.Array  # [R] f32: log_softmax(raw logits)[token], or [0] when no row wants them
+    ranks: jax.Array  # [R] int32 (1 = most likely), or [0] without logprobs
+    top_ids: jax.Array  # [R, N] int32
     top_logprobs: jax.Array  # [R, N] f32
 
 
@@ -113,7 +113,7 @@ def _row_uniform(seed_lo: jax.Array, seed_hi: jax.Array, position: jax.Array) ->
     h = _mix32(position.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))
     h = _mix32(h ^ seed_hi)
     h = _mix32(_mix32(h ^ seed_lo) + jnp.uint32(0x632BE5AB))
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def _prefix_sums(w: jax.Array) -> jax.Array:
@@ -163,19 +163,21 @@ def _on_rows(fn, need: jax.Array, fast: jax.Array, *row_args: jax.Array) -> jax.
         sel = jax.lax.dynamic_slice(idx, (g * C,), (C,))
         take = jnp.minimum(sel, R - 1)
         return out.at[sel].set(fn(*(a[take] for a in row_args)), mode="drop")
+
     return jax.lax.fori_loop(0, (jnp.sum(need) + C - 1) // C, chunk, fast)
 
 
 def _bisect_top_k(xs: jax.Array, k: jax.Array) -> jax.Array:
     """Exact k-th largest value per row: the largest v with #{xs >= v} >= k (ties all kept)."""
     keys = _float_key(xs)
-    lo, hi = keys.min(-1), keys.max(-1) + 1      # #{>= lo} = V >= k; #{>= hi} = 0 < k
+    lo, hi = keys.min(-1), keys.max(-1) + 1  # #{>= lo} = V >= k; #{>= hi} = 0 < k
 
     def body(_, c):
         lo, hi = c
         mid = _midpoint(lo, hi)
         ok = jnp.sum(keys >= mid[:, None], -1) >= k
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
     lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
     return _key_float(lo)
 
@@ -186,13 +188,14 @@ def _bisect_top_p(xs: jax.Array, w: jax.Array, target: jax.Array) -> jax.Array:
     ``w`` holds the kept tokens' weights (0 elsewhere), ``target`` is top_p times their sum.
     """
     keys = _float_key(jnp.where(w > 0, xs, -jnp.inf))
-    lo, hi = keys.min(-1) - 1, keys.max(-1)      # mass above lo = all >= target; above hi = 0
+    lo, hi = keys.min(-1) - 1, keys.max(-1)  # mass above lo = all >= target; above hi = 0
 
     def body(_, c):
         lo, hi = c
         mid = _midpoint(lo, hi)
         ok = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), -1) < target
         return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
     _, hi = jax.lax.fori_loop(0, 32, body, (lo, hi))
     return _key_float(hi)
 
@@ -203,8 +206,9 @@ def _kept_weights(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array) -> j
     return jnp.where(xs >= tau[:, None], jnp.exp(xs - m[:, None]), 0.0)
 
 
-def _top_k_top_p(x: jax.Array, t: jax.Array, m: jax.Array, floor: jax.Array, top_k: jax.Array,
-                 top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _top_k_top_p(
+    x: jax.Array, t: jax.Array, m: jax.Array, floor: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """``(tau, block_sums)``: the smallest kept scaled logit per row after top-k, then top-p on the
     renormalized rest, and the kept weights summed per vocabulary block (for the draw).
 
@@ -218,7 +222,7 @@ def _top_k_top_p(x: jax.Array, t: jax.Array, m: jax.Array, floor: jax.Array, top
     K = min(CANDIDATES, V)
     rows = jnp.arange(R)
     neg_inf = jnp.float32(-jnp.inf)
-    cand, cand_ids = jax.lax.top_k(x, K)                             # descending (t > 0 keeps the order)
+    cand, cand_ids = jax.lax.top_k(x, K)  # descending (t > 0 keeps the order)
     cand = cand / t[:, None]
 
     tau_k = jnp.where(top_k > 0, cand[rows, jnp.clip(top_k - 1, 0, K - 1)], neg_inf)
@@ -228,17 +232,28 @@ def _top_k_top_p(x: jax.Array, t: jax.Array, m: jax.Array, floor: jax.Array, top
 
     target = top_p * sums1.sum(-1)
     cw = jnp.where(cand >= t1[:, None], jnp.exp(cand - m[:, None]), 0.0)
-    reached = _prefix_sums(cw) >= target[:, None]                    # the nucleus ends at the first True
+    reached = _prefix_sums(cw) >= target[:, None]  # the nucleus ends at the first True
     use_p = top_p < 1.0
     tau_p = jnp.where(use_p, cand[rows, jnp.argmax(reached, -1)], neg_inf)
-    tau_p = _on_rows(lambda x, t, m, t1, target: _bisect_top_p(x / t[:, None], _kept_weights(x, t, m, t1), target),
-                     use_p & ~reached[:, -1], tau_p, x, t, m, t1, target)
+    tau_p = _on_rows(
+        lambda x, t, m, t1, target: _bisect_top_p(x / t[:, None], _kept_weights(x, t, m, t1), target),
+        use_p & ~reached[:, -1],
+        tau_p,
+        x,
+        t,
+        m,
+        t1,
+        target,
+    )
     tau = jnp.maximum(t1, tau_p)
 
     narrowed = tau > t1
-    in_cands = cand.min(-1) < tau                                    # every kept token is a candidate
-    from_cands = jnp.zeros_like(sums1).at[rows[:, None], cand_ids // _block_len(V)].add(
-        jnp.where(cand >= tau[:, None], jnp.exp(cand - m[:, None]), 0.0))
+    in_cands = cand.min(-1) < tau  # every kept token is a candidate
+    from_cands = (
+        jnp.zeros_like(sums1)
+        .at[rows[:, None], cand_ids // _block_len(V)]
+        .add(jnp.where(cand >= tau[:, None], jnp.exp(cand - m[:, None]), 0.0))
+    )
     sums = jnp.where((narrowed & in_cands)[:, None], from_cands, sums1)
     sums = _on_rows(_block_sums, narrowed & ~in_cands, sums, x, t, m, tau)
     return tau, sums
@@ -278,8 +293,9 @@ def _block_sums(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array) -> jax
     return jnp.where(blocks >= tau[:, None, None], jnp.exp(blocks - m[:, None, None]), 0.0).sum(-1)
 
 
-def _inverse_cdf(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array, sums: jax.Array, u: jax.Array
-                 ) -> jax.Array:
+def _inverse_cdf(
+    x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array, sums: jax.Array, u: jax.Array
+) -> jax.Array:
     """Index drawn with probability proportional to ``exp(x/t - m)`` over ``x/t >= tau``, for ``u`` in
     [0, 1), given the kept weights' ``_block_sums``.
 
@@ -303,19 +319,22 @@ def _inverse_cdf(x: jax.Array, t: jax.Array, m: jax.Array, tau: jax.Array, sums:
 def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:
     """Repetition penalty on tokens seen in prompt or output, then frequency and presence on output
     counts: gathered, adjusted and scattered back at the listed pairs only."""
-    rows = jnp.minimum(st.penalty_rows, x.shape[0] - 1)          # padding reads a real row, writes nothing
+    rows = jnp.minimum(st.penalty_rows, x.shape[0] - 1)  # padding reads a real row, writes nothing
     v = x[rows, st.penalty_tokens]
     rep = st.repetition_penalty[rows]
     cnt = st.penalty_counts
-    v = (jnp.where(v > 0, v / rep, v * rep) - st.frequency_penalty[rows] * cnt
-         - st.presence_penalty[rows] * (cnt > 0).astype(jnp.float32))
+    v = (
+        jnp.where(v > 0, v / rep, v * rep)
+        - st.frequency_penalty[rows] * cnt
+        - st.presence_penalty[rows] * (cnt > 0).astype(jnp.float32)
+    )
     return x.at[st.penalty_rows, st.penalty_tokens].set(v, mode="drop")
 
 
 def _draw(x: jax.Array, st: SamplingTensors, top_k_top_p: bool) -> jax.Array:
     t = jnp.where(st.temperature > 0, st.temperature, 1.0)
     m = jnp.max(x / t[:, None], -1)
-    tau = m + jnp.log(st.min_p)                                      # p >= min_p * p_max; log(0) = -inf
+    tau = m + jnp.log(st.min_p)  # p >= min_p * p_max; log(0) = -inf
     if top_k_top_p:
         tau, sums = _top_k_top_p(x, t, m, tau, st.top_k, st.top_p)
     else:
@@ -329,8 +348,9 @@ def _logsumexp(x: jax.Array) -> jax.Array:
     return m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
 
 
-def _top_logprobs(raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _top_logprobs(
+    raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rank of ``chosen`` (1 = best) and the ``n`` best (ids, logprobs) of each row.
 
     A chosen token within the top ``n`` gets its rank from them; only the other rows are counted.
@@ -339,11 +359,12 @@ def _top_logprobs(raw: jax.Array, lse: jax.Array, chosen: jax.Array, n: int
 
     def counted(raw: jax.Array, c: jax.Array) -> jax.Array:
         return (jnp.sum(raw > c[:, None], -1) + 1).astype(jnp.int32)
+
     R = raw.shape[0]
     if n == 0:
         return counted(raw, chosen_logit), jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), raw.dtype)
     vals, ids = jax.lax.top_k(raw, n)
-    in_top = chosen_logit >= vals.min(-1)                            # not vals[:, -1]: XLA makes that a sort
+    in_top = chosen_logit >= vals.min(-1)  # not vals[:, -1]: XLA makes that a sort
     from_top = (jnp.sum(vals > chosen_logit[:, None], -1) + 1).astype(jnp.int32)
     return _on_rows(counted, ~in_top, from_top, raw, chosen_logit), ids.astype(jnp.int32), vals - lse[:, None]
 
@@ -354,7 +375,7 @@ def _apply_bitmask(x: jax.Array, words: jax.Array) -> jax.Array:
     vocabulary, which its grammar then refuses."""
     R, V = x.shape
     allowed = ((words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1).reshape(R, -1)[:, :V] != 0
-    dead = ~(words != 0).any(-1, keepdims=True)           # from the words: a pass over [R, V] fewer
+    dead = ~(words != 0).any(-1, keepdims=True)  # from the words: a pass over [R, V] fewer
     return jnp.where(allowed | dead, x, -jnp.inf)
 
 
@@ -374,8 +395,12 @@ def process_logits(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) 
 def no_logprobs(rows: int, xp=jnp) -> tuple:
     """The logprob fields (logprobs, ranks, top ids, top logprobs) of a ``SamplerOutput`` of ``rows``
     rows that computed none, as ``xp`` arrays (``jnp``, or ``numpy`` for an output built on the host)."""
-    return (xp.zeros(0, xp.float32), xp.zeros(0, xp.int32), xp.zeros((rows, 0), xp.int32),
-            xp.zeros((rows, 0), xp.float32))
+    return (
+        xp.zeros(0, xp.float32),
+        xp.zeros(0, xp.int32),
+        xp.zeros((rows, 0), xp.int32),
+        xp.zeros((rows, 0), xp.float32),
+    )
 
 
 def sample(logits: jax.Array, st: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:

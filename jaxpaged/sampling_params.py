@@ -66,7 +66,7 @@ def _float32(v: object) -> float | None:
         return None
     try:
         f = struct.unpack("f", struct.pack("f", float(v)))[0]
-    except OverflowError:           # beyond float64, or rounding past float32's largest
+    except OverflowError:  # beyond float64, or rounding past float32's largest
         return None
     return f if math.isfinite(f) else None
 
@@ -119,11 +119,15 @@ class SamplingParams:
         if self.best_of is None:
             self.best_of = self.n
         if _is_int(self.top_k) and self.top_k == 0:
-            self.top_k = -1                 # vLLM reads 0, as -1, as no top-k
+            self.top_k = -1  # vLLM reads 0, as -1, as no top-k
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %s is below %s and would overflow the scaled logits; using %s.",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            logger.warning(
+                "temperature %s is below %s and would overflow the scaled logits; using %s.",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             self.temperature = MIN_TEMPERATURE
 
     @staticmethod
@@ -132,19 +136,23 @@ class SamplingParams:
         if bias is None:
             return {}
         if not isinstance(bias, dict):
-            raise ParamError("logit_bias", f"logit_bias must be a dict of token id -> bias in [-100, 100], "
-                                           f"got {excerpt(bias)}.")
+            raise ParamError(
+                "logit_bias",
+                f"logit_bias must be a dict of token id -> bias in [-100, 100], got {excerpt(bias)}.",
+            )
         out = {}
         for k, v in bias.items():
             if isinstance(k, str) and k.strip().isdigit():
                 k = int(k)
             if not _is_int(k) or not 0 <= k <= INT32_MAX:
-                raise ParamError("logit_bias", f"logit_bias keys must be non-negative token ids (int32), "
-                                               f"got {excerpt(k)}.")
+                raise ParamError(
+                    "logit_bias", f"logit_bias keys must be non-negative token ids (int32), got {excerpt(k)}."
+                )
             f = _float32(v)
             if f is None or not -MAX_LOGIT_BIAS <= f <= MAX_LOGIT_BIAS:
-                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {excerpt(v)} "
-                                               f"for token {k}.")
+                raise ParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {excerpt(v)} for token {k}."
+                )
             out[int(k)] = float(v)
         return out
 
@@ -155,46 +163,83 @@ class SamplingParams:
 
         def count(name: str, lo: int) -> None:
             v = getattr(self, name)
-            need(_is_int(v) and lo <= v <= INT32_MAX, name, f"at least {lo} and at most {INT32_MAX} (an int32)")
+            need(
+                _is_int(v) and lo <= v <= INT32_MAX, name, f"at least {lo} and at most {INT32_MAX} (an int32)"
+            )
 
         def real(name: str, ok, rule: str, positive: bool = False) -> None:
             f = _float32(getattr(self, name))
-            tiny = f" of at least {FLOAT32_TINY:.2g} (the device may read a smaller one as 0)" if positive else ""
-            need(f is not None and ok(f) and (not positive or f >= FLOAT32_TINY), name,
-                 f"{rule} and a finite float32{tiny}")
+            tiny = (
+                f" of at least {FLOAT32_TINY:.2g} (the device may read a smaller one as 0)"
+                if positive
+                else ""
+            )
+            need(
+                f is not None and ok(f) and (not positive or f >= FLOAT32_TINY),
+                name,
+                f"{rule} and a finite float32{tiny}",
+            )
 
         count("n", 1)
-        need(_is_int(self.best_of) and self.n <= self.best_of <= INT32_MAX, "best_of",
-             f"an integer >= n (n={self.n!r}) and an int32")
+        need(
+            _is_int(self.best_of) and self.n <= self.best_of <= INT32_MAX,
+            "best_of",
+            f"an integer >= n (n={self.n!r}) and an int32",
+        )
         real("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
         real("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
         real("repetition_penalty", lambda v: v > 0.0, "in (0, inf)", positive=True)
         real("temperature", lambda v: v >= 0.0, ">= 0 (0 = greedy)")
         real("top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]", positive=True)
-        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-             "0 or -1 (disable) or at least 1 (at least the vocabulary size: all tokens)")
+        need(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            "0 or -1 (disable) or at least 1 (at least the vocabulary size: all tokens)",
+        )
         real("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        need(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
-             "None or an integer in [-2**63, 2**63)")
-        need(all(isinstance(s, str) and s and is_unicode(s) for s in self.stop), "stop",
-             "a list of non-empty strings of valid Unicode")
-        need(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
-             "non-negative integers (int32)")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        need(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+            "seed",
+            "None or an integer in [-2**63, 2**63)",
+        )
+        need(
+            all(isinstance(s, str) and s and is_unicode(s) for s in self.stop),
+            "stop",
+            "a list of non-empty strings of valid Unicode",
+        )
+        need(
+            all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+            "stop_token_ids",
+            "non-negative integers (int32)",
+        )
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         if self.max_tokens is not None:
             count("max_tokens", 1)
         count("min_tokens", 0)
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"in [0, max_tokens={self.max_tokens}]")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"in [0, max_tokens={self.max_tokens}]",
+        )
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
-                 f"None or an integer in [0, {MAX_LOGPROBS}]")
-        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-             "structured_outputs", "None or a StructuredOutputsParams")
+            need(
+                v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                name,
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
+            )
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "None or a StructuredOutputsParams",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -214,8 +259,12 @@ class SamplingParams:
     def needs_step_lists(self) -> bool:
         """Penalties, logit bias, min_tokens or structured outputs: the sampler's inputs for this
         request are rebuilt each step from its tokens so far."""
-        return (self.needs_penalties or bool(self.logit_bias) or self.min_tokens > 0
-                or self.structured_outputs is not None)
+        return (
+            self.needs_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.structured_outputs is not None
+        )
 
     @property
     def needs_host_tokens(self) -> bool:

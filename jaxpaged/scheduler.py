@@ -62,8 +62,7 @@ class Scheduler:
     run (``_queue_key``). Others read them, never mutate.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -106,18 +105,20 @@ class Scheduler:
         docstring); or none of them, raising ``ValueError`` (leaving no trace), if one can never run."""
         ids = [i for r in requests for i in (r.request_id, *(c.request_id for c in r.pending_forks))]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"request ids {sorted({i for i in ids if ids.count(i) > 1})[:5]} are given twice; "
-                             f"give each request a unique id.")
+            raise ValueError(
+                f"request ids {sorted({i for i in ids if ids.count(i) > 1})[:5]} are given twice; "
+                f"give each request a unique id."
+            )
         for request in requests:
             self._check_admissible(request)
-        group = 0                                   # one sequence: a group of its own
+        group = 0  # one sequence: a group of its own
         if len(requests) > 1 or any(r.pending_forks for r in requests):
             group = self._num_groups = self._num_groups + 1
         tag = self._virtual_time
         for request in requests:
             request.status = RequestStatus.WAITING
             request.queue_tag = tag
-            tag += 1 + request.reserved_seqs        # a turn lasts as many tags as it runs sequences
+            tag += 1 + request.reserved_seqs  # a turn lasts as many tags as it runs sequences
             for r in (request, *request.pending_forks):
                 r.queue_group = group
             self._track(request)
@@ -151,7 +152,11 @@ class Scheduler:
         child.queue_group = parent.queue_group
         self._track(child)
         room = len(self.running) + self._num_reserved() < self.config.max_num_seqs
-        if parent.status is RequestStatus.RUNNING and self._requests.get(parent.request_id) is parent and room:
+        if (
+            parent.status is RequestStatus.RUNNING
+            and self._requests.get(parent.request_id) is parent
+            and room
+        ):
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
@@ -179,9 +184,11 @@ class Scheduler:
         if len(set(ids)) != len(ids) or any(i in self._requests for i in ids):
             raise ValueError(f"request id {rid!r} is already in use; give each request a unique id.")
         if 1 + request.reserved_seqs > self.config.max_num_seqs:
-            raise ValueError(f"request {rid!r} runs {1 + request.reserved_seqs} sequences at once (n, best_of "
-                             f"or beam width) but max_num_seqs is {self.config.max_num_seqs}; raise "
-                             f"max_num_seqs or ask for fewer sequences.")
+            raise ValueError(
+                f"request {rid!r} runs {1 + request.reserved_seqs} sequences at once (n, best_of "
+                f"or beam width) but max_num_seqs is {self.config.max_num_seqs}; raise "
+                f"max_num_seqs or ask for fewer sequences."
+            )
         n_prompt = request.num_prompt_tokens
         if n_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token.")
@@ -192,7 +199,8 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt ({n_prompt} tokens) + max_tokens ({request.max_tokens}) = "
                 f"{total} exceeds max_model_len ({self.max_model_len}); shorten the prompt or "
-                f"lower max_tokens.")
+                f"lower max_tokens."
+            )
         kv = self.kv_cache_manager
         needed = kv.blocks_needed(total)
         if needed > kv.pool.num_usable_blocks:
@@ -200,13 +208,15 @@ class Scheduler:
                 f"request {rid!r}: prompt + max_tokens = {total} tokens needs {needed} KV blocks of "
                 f"{kv.block_size} tokens but the pool has only {kv.pool.num_usable_blocks}; shorten "
                 f"the prompt, lower max_tokens, or give the KV cache more blocks (kv_cache_memory "
-                f"or num_gpu_blocks_override).")
+                f"or num_gpu_blocks_override)."
+            )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and n_prompt > budget:
             raise ValueError(
                 f"request {rid!r}: prompt ({n_prompt} tokens) is longer than max_num_batched_tokens "
                 f"({budget}) and chunked prefill is off; enable chunked prefill or raise "
-                f"max_num_batched_tokens.")
+                f"max_num_batched_tokens."
+            )
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a request in any state, freeing its blocks at once; None if the id is unknown."""
@@ -238,13 +248,16 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their KV blocks."""
         k = self.config.num_scheduler_steps
         victims = self._victims_for_newcomer()
-        if k > 1 and not victims and (not self.waiting
-                                      or len(self.running) + self._num_reserved() >= self.config.max_num_seqs):
+        if (
+            k > 1
+            and not victims
+            and (not self.waiting or len(self.running) + self._num_reserved() >= self.config.max_num_seqs)
+        ):
             out = self._schedule_steps(k)
             if out is not None:
                 return self._close(out)
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
-        for victim in victims:              # queued right behind the new request, which starts next step
+        for victim in victims:  # queued right behind the new request, which starts next step
             self.running.remove(victim)
             self._preempt(victim, out, at=1)
         budget = self.config.max_num_batched_tokens
@@ -262,7 +275,11 @@ class Scheduler:
         # the one being scheduled, which the loop then never reaches.
         running, max_len, block_size = self.running, self.max_model_len, kv.block_size
         allocate, add, shared_tails = kv.allocate_slots, self._add_to_output, kv.shared_tails
-        add_row, add_start, add_host = out.requests.append, out.start_positions.append, out.num_host_tokens.append
+        add_row, add_start, add_host = (
+            out.requests.append,
+            out.start_positions.append,
+            out.num_host_tokens.append,
+        )
         opening: list[Request] = []
         room = kv.num_free_blocks
         for request in running:
@@ -272,8 +289,12 @@ class Scheduler:
             in_flight = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + in_flight
             known = request.num_prompt_tokens + num_outputs
-            fast = (known - computed == 1 and num_outputs < request.max_tokens and not request.pending_forks
-                    and not (shared_tails and request.request_id in shared_tails))
+            fast = (
+                known - computed == 1
+                and num_outputs < request.max_tokens
+                and not request.pending_forks
+                and not (shared_tails and request.request_id in shared_tails)
+            )
             if fast and not computed % block_size and len(request.block_ids) * block_size <= computed:
                 fast = room > 0
                 if fast:
@@ -286,7 +307,7 @@ class Scheduler:
                 request.num_output_placeholders = in_flight + 1
                 add_row(request)
                 add_start(computed)
-                add_host(0 if in_flight else 1)     # the one token is the last known one
+                add_host(0 if in_flight else 1)  # the one token is the last known one
                 budget -= 1
                 continue
             num_new = min(known - computed, budget, max_len - computed)
@@ -315,20 +336,27 @@ class Scheduler:
             if request.waiting_for_group or request.num_output_placeholders:
                 j += 1
                 continue
-            if len(self.running) + len(forked) + reserved + 1 + request.reserved_seqs > self.config.max_num_seqs:
+            if (
+                len(self.running) + len(forked) + reserved + 1 + request.reserved_seqs
+                > self.config.max_num_seqs
+            ):
                 break
             swapped = bool(request.host_block_ids)
             if not swapped:
                 kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
-                          self.max_model_len - request.num_computed_tokens)
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens,
+                self.max_model_len - request.num_computed_tokens,
+            )
             if num_new <= 0:
                 j += 1
                 continue
             # Without chunked prefill a prompt runs whole; only a resumed request longer
             # than the entire budget (prompt + outputs) is split, the one way it can progress.
-            fits = not (not self.config.enable_chunked_prefill
-                        and budget < num_new <= self.config.max_num_batched_tokens)
+            fits = not (
+                not self.config.enable_chunked_prefill
+                and budget < num_new <= self.config.max_num_batched_tokens
+            )
             if fits and swapped:
                 pairs = kv.swap_in(request, min(num_new, budget))
                 fits = pairs is not None
@@ -352,7 +380,7 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
             self._add_to_output(out, request, num_new, forked, request.num_tokens_with_placeholders)
-            reserved += request.reserved_seqs          # what is left after forking this step
+            reserved += request.reserved_seqs  # what is left after forking this step
             budget -= num_new
         self.running.extend(forked)
         if admitted or forked:
@@ -392,7 +420,11 @@ class Scheduler:
             left = request.max_tokens - outputs
             if left <= 0:
                 continue
-            if not request.multi_step or request.pending_forks or request.num_prompt_tokens + outputs - computed != 1:
+            if (
+                not request.multi_step
+                or request.pending_forks
+                or request.num_prompt_tokens + outputs - computed != 1
+            ):
                 return None
             n = k if k < left else left
             # As in schedule(): only a fork shares the block a request writes next.
@@ -413,7 +445,7 @@ class Scheduler:
         for request, n in zip(rows, steps):
             computed, in_flight = request.num_computed_tokens, request.num_output_placeholders
             if shared_tails and request.request_id in shared_tails:
-                kv.allocate_slots(request, n)      # cannot fail: ``need`` blocks are free
+                kv.allocate_slots(request, n)  # cannot fail: ``need`` blocks are free
             elif computed + n > len(request.block_ids) * block_size:
                 opening.append(request)
             starts.append(computed)
@@ -421,23 +453,36 @@ class Scheduler:
             request.num_computed_tokens = computed + n
             request.num_output_placeholders = in_flight + n
         kv.grow_tables(opening)
-        return SchedulerOutput(requests=rows, num_new_tokens=steps, start_positions=starts, preempted=[],
-                               samples=[True] * len(rows), num_host_tokens=host_tokens, num_steps=k)
+        return SchedulerOutput(
+            requests=rows,
+            num_new_tokens=steps,
+            start_positions=starts,
+            preempted=[],
+            samples=[True] * len(rows),
+            num_host_tokens=host_tokens,
+            num_steps=k,
+        )
 
     def _victims_for_newcomer(self) -> list[Request]:
         """The running requests to preempt so that the next waiting request starts, when it is new,
         every running slot is taken and its API request has nothing running (else none; a scan of
         ``running`` only then): the newest of the API requests running the most, keeping each one
         running and taking none of a higher priority; none if that cannot free enough slots."""
-        if (not self._num_grouped or not self.waiting
-                or len(self.running) + self._num_reserved() < self.config.max_num_seqs):
+        if (
+            not self._num_grouped
+            or not self.waiting
+            or len(self.running) + self._num_reserved() < self.config.max_num_seqs
+        ):
             return []
         head = self.waiting[0]
         if head.status is not RequestStatus.WAITING or (
-                head.queue_group and any(r.queue_group == head.queue_group for r in self.running)):
+            head.queue_group and any(r.queue_group == head.queue_group for r in self.running)
+        ):
             return []
         need = 1 + head.reserved_seqs - (self.config.max_num_seqs - len(self.running) - self._num_reserved())
-        candidates = [r for r in self.running if r.queue_group and r.priority >= head.priority and not r.reserved_seqs]
+        candidates = [
+            r for r in self.running if r.queue_group and r.priority >= head.priority and not r.reserved_seqs
+        ]
         counts = Counter(r.queue_group for r in candidates)
         if need > sum(n - 1 for n in counts.values()):
             return []
@@ -445,7 +490,9 @@ class Scheduler:
         for _ in range(need):
             group = max(counts, key=counts.__getitem__)
             counts[group] -= 1
-            victims.append(next(r for r in reversed(candidates) if r.queue_group == group and r not in victims))
+            victims.append(
+                next(r for r in reversed(candidates) if r.queue_group == group and r not in victims)
+            )
         return victims
 
     def _preempt_for(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -480,7 +527,9 @@ class Scheduler:
         """Free (or swap out) ``request``'s blocks and queue it at ``at``, by default first (under the
         ``priority`` policy: first of its priority)."""
         # A request whose last token is in flight will finish when it arrives: its blocks are freed, never swapped.
-        pairs = self.kv_cache_manager.swap_out(request) if self.swap and not request.all_outputs_sampled else None
+        pairs = (
+            self.kv_cache_manager.swap_out(request) if self.swap and not request.all_outputs_sampled else None
+        )
         if pairs is not None:
             out.blocks_to_swap_out.extend(pairs)
             self.num_swapped_out += 1
@@ -498,8 +547,9 @@ class Scheduler:
             self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int,
-                       forked: list[Request], known: int) -> None:
+    def _add_to_output(
+        self, out: SchedulerOutput, request: Request, num_new: int, forked: list[Request], known: int
+    ) -> None:
         """Schedule ``num_new`` tokens of ``request``, which has ``known`` tokens (placeholders included)."""
         row = len(out.requests)
         out.requests.append(request)

@@ -31,7 +31,7 @@ class SequenceSlots:
         self._slot: dict[str, int] = {}
         self._last: tuple[list[Request], np.ndarray] = ([], np.zeros(0, np.int32))
         """The last ``slots`` call (a tuple: ``_grow`` resizes only the per-slot arrays)."""
-        self._free = list(range(capacity - 1, -1, -1))     # popped from the end: lowest first
+        self._free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest first
         self.temperature = np.zeros(capacity, np.float32)
         self.top_k = np.zeros(capacity, np.int32)
         self.top_p = np.ones(capacity, np.float32)
@@ -78,7 +78,7 @@ class SequenceSlots:
         self.block_table.add(s, r)
         try:
             self._write_sampling_row(s, r)
-        except Exception as e:          # this request's failure, not the step's: see ``take_failed``
+        except Exception as e:  # this request's failure, not the step's: see ``take_failed``
             self._write_neutral_row(s)
             self.failed[r.request_id] = e
         self.last_sample_row[s] = -1
@@ -89,9 +89,16 @@ class SequenceSlots:
         sp = r.sampling_params
         top_k = sp.top_k if 0 < sp.top_k < self._vocab_size else 0
         self.temperature[s], self.top_k[s], self.top_p[s], self.min_p[s] = (
-            sp.temperature, top_k, sp.top_p, sp.min_p)
+            sp.temperature,
+            top_k,
+            sp.top_p,
+            sp.min_p,
+        )
         self.presence[s], self.frequency[s], self.repetition[s] = (
-            sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+            sp.presence_penalty,
+            sp.frequency_penalty,
+            sp.repetition_penalty,
+        )
         self.seed[s] = r.seed & SEED_MASK
         self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
         self.chosen_logprobs[s] = sp.needs_logprobs

@@ -85,11 +85,23 @@ class StepBatch:
     def program_keys(self) -> tuple[tuple, ...]:
         """The shapes (and flags) that select the compiled forward and sampler programs."""
         st = self.sampling
-        forward = ("forward", self.input_ids.shape[0], self.logits_indices.shape[0], self.table_width,
-                   self.md.tile_row.shape[0], self.md.tile_size)
-        sampler = ("sampler", self.logits_indices.shape[0], self.prompt_targets.shape[0], self.flags,
-                   st.penalty_rows.shape[0], st.bias_rows.shape[0])
-        if self.num_steps > 1:      # one program: forward and sampler, stepped
+        forward = (
+            "forward",
+            self.input_ids.shape[0],
+            self.logits_indices.shape[0],
+            self.table_width,
+            self.md.tile_row.shape[0],
+            self.md.tile_size,
+        )
+        sampler = (
+            "sampler",
+            self.logits_indices.shape[0],
+            self.prompt_targets.shape[0],
+            self.flags,
+            st.penalty_rows.shape[0],
+            st.bias_rows.shape[0],
+        )
+        if self.num_steps > 1:  # one program: forward and sampler, stepped
             return (("steps", self.num_steps, forward, sampler),)
         return (forward,) if self.greedy_in_forward else (forward, sampler)
 

@@ -40,34 +40,51 @@ def _step(statics, layout, param_leaves, kv_pages, packed, tables, prev_tokens=N
     # The int32 inputs arrive packed in one array (``pack_inputs``): each host array is a transfer of its own.
     # The block tables are written here too (donated): a program of their own would cost a dispatch a step.
     input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables = unpack_inputs(
-        packed, layout, tables, kv_pages.shape[3])
+        packed, layout, tables, kv_pages.shape[3]
+    )
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     if prev_tokens is not None:
         input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     else:
         prev_tokens = jnp.zeros(logits_indices.shape[0], jnp.int32)
-    logits, kv_pages = statics.module.apply({"params": params}, input_ids, positions, kv_pages, md, logits_indices,
-                                            num_logits)
-    if getattr(statics.module, "mesh", None) is not None:   # the runner never sets the flag on a mesh
+    logits, kv_pages = statics.module.apply(
+        {"params": params}, input_ids, positions, kv_pages, md, logits_indices, num_logits
+    )
+    if getattr(statics.module, "mesh", None) is not None:  # the runner never sets the flag on a mesh
         return kv_pages, logits, tables, jnp.zeros(logits.shape[0], jnp.int32), prev_tokens
 
     def sampled(logits, prev):
         tokens = argmax(logits)
-        n = min(tokens.shape[0], prev.shape[0])   # all of them when greedy (no prompt positions)
+        n = min(tokens.shape[0], prev.shape[0])  # all of them when greedy (no prompt positions)
         return tokens, jnp.zeros_like(prev).at[:n].set(tokens[:n])
 
-    with jax.named_scope("sampler"):           # benchmarks.profile counts these ops as the sampler's
-        tokens, prev_tokens = jax.lax.cond(greedy[0] != 0, sampled,
-                                           lambda logits, prev: (jnp.zeros(logits.shape[0], jnp.int32), prev),
-                                           logits, prev_tokens)
+    with jax.named_scope("sampler"):  # benchmarks.profile counts these ops as the sampler's
+        tokens, prev_tokens = jax.lax.cond(
+            greedy[0] != 0,
+            sampled,
+            lambda logits, prev: (jnp.zeros(logits.shape[0], jnp.int32), prev),
+            logits,
+            prev_tokens,
+        )
     return kv_pages, logits, tables, tokens, prev_tokens
 
 
 MD_ARRAYS = ("seq_lens", "query_start_loc", "tile_row", "tile_start", "tile_len")
 
 
-def pack_inputs(input_ids, positions, token_rows, md, logits_indices, table_rows, table_width, prev_index=None,
-                num_logits=None, table_writes=None, greedy=False):
+def pack_inputs(
+    input_ids,
+    positions,
+    token_rows,
+    md,
+    logits_indices,
+    table_rows,
+    table_width,
+    prev_index=None,
+    num_logits=None,
+    table_writes=None,
+    greedy=False,
+):
     """The step's int32 inputs as one flat host array, and its layout. The block tables go apart
     (``unpack_inputs`` applies ``table_writes`` to them, then reads rows ``table_rows``). No
     ``prev_index`` means no in-flight token (all -1), no ``num_logits`` every ``logits_indices``
@@ -78,19 +95,43 @@ def pack_inputs(input_ids, positions, token_rows, md, logits_indices, table_rows
         num_logits = np.shape(logits_indices)[0]
     if table_writes is None:
         table_writes = np.full((3, 0), NO_ROW, np.int32)
-    arrays = [np.asarray(a, np.int32) for a in (input_ids, positions, token_rows, *(getattr(md, f) for f in MD_ARRAYS),
-                                                 table_rows, logits_indices, prev_index, num_logits,
-                                                 np.int32(greedy)[None], table_writes)]
-    return (np.concatenate([a.ravel() for a in arrays]),
-            InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width))
+    arrays = [
+        np.asarray(a, np.int32)
+        for a in (
+            input_ids,
+            positions,
+            token_rows,
+            *(getattr(md, f) for f in MD_ARRAYS),
+            table_rows,
+            logits_indices,
+            prev_index,
+            num_logits,
+            np.int32(greedy)[None],
+            table_writes,
+        )
+    ]
+    return (
+        np.concatenate([a.ravel() for a in arrays]),
+        InputLayout(tuple(a.shape for a in arrays), md.tile_size, table_width),
+    )
 
 
 def packed_inputs(b: StepBatch) -> tuple[np.ndarray, InputLayout]:
     """``b.packed``: the batch's int32 inputs packed (``pack_inputs``), built on first use."""
     if b.packed is None:
-        b.packed = pack_inputs(b.input_ids, b.positions, b.token_rows, b.md, b.logits_indices, b.table_rows,
-                               b.table_width, b.prev_index, np.int32(b.num_logits), b.step_table_writes,
-                               b.greedy_in_forward)
+        b.packed = pack_inputs(
+            b.input_ids,
+            b.positions,
+            b.token_rows,
+            b.md,
+            b.logits_indices,
+            b.table_rows,
+            b.table_width,
+            b.prev_index,
+            np.int32(b.num_logits),
+            b.step_table_writes,
+            b.greedy_in_forward,
+        )
     return b.packed
 
 
@@ -114,14 +155,28 @@ def unpack_inputs(packed, layout: InputLayout, tables, block_size: int):
     arrays, at = [], 0
     for shape in layout.shapes:
         size = math.prod(shape)
-        arrays.append(packed[at:at + size].reshape(shape))
+        arrays.append(packed[at : at + size].reshape(shape))
         at += size
-    input_ids, positions, token_rows, *md_arrays, table_rows, logits_indices, prev_index, num_logits, greedy, writes = arrays
+    (
+        input_ids,
+        positions,
+        token_rows,
+        *md_arrays,
+        table_rows,
+        logits_indices,
+        prev_index,
+        num_logits,
+        greedy,
+        writes,
+    ) = arrays
     tables = _write_tables(tables, writes)
-    block_tables = tables[table_rows, :layout.table_width]
-    md = AttentionMetadata(**dict(zip(MD_ARRAYS, md_arrays)),
-                           slot_mapping=_kv_slots(block_tables, token_rows, positions, block_size, token_rows >= 0),
-                           block_tables=block_tables, tile_size=layout.tile_size)
+    block_tables = tables[table_rows, : layout.table_width]
+    md = AttentionMetadata(
+        **dict(zip(MD_ARRAYS, md_arrays)),
+        slot_mapping=_kv_slots(block_tables, token_rows, positions, block_size, token_rows >= 0),
+        block_tables=block_tables,
+        tile_size=layout.tile_size,
+    )
     return input_ids, positions, md, logits_indices, prev_index, num_logits, greedy, tables
 
 
@@ -135,8 +190,13 @@ def jit_step(mesh):
     if mesh is None:
         return jax.jit(_step, static_argnames=static, donate_argnames=donate)
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_step, static_argnames=static, donate_argnames=donate,
-                   in_shardings=(None, kv, rep, rep, rep), out_shardings=(kv, rep, rep, rep, rep))
+    return jax.jit(
+        _step,
+        static_argnames=static,
+        donate_argnames=donate,
+        in_shardings=(None, kv, rep, rep, rep),
+        out_shardings=(kv, rep, rep, rep, rep),
+    )
 
 
 def _write_tables(tables, writes):
@@ -153,8 +213,18 @@ def jit_table_writes(mesh):
     return jax.jit(_write_tables, donate_argnums=0, in_shardings=(rep, rep), out_shardings=rep)
 
 
-def step_call(module, params, kv_pages, input_ids, positions, md, logits_indices, prev_index=None,
-               prev_tokens=None, num_logits=None):
+def step_call(
+    module,
+    params,
+    kv_pages,
+    input_ids,
+    positions,
+    md,
+    logits_indices,
+    prev_index=None,
+    prev_tokens=None,
+    num_logits=None,
+):
     """``step_fn``'s jitted program and its arguments, for code that inspects it (``fn.lower(*args)``
     gives its HLO) rather than runs it: takes ``step_fn``'s arguments (``md.block_tables`` is the
     rows' tables, copied: the step donates its tables; the rows' tokens are given by
@@ -163,12 +233,20 @@ def step_call(module, params, kv_pages, input_ids, positions, md, logits_indices
     R, W = np.shape(md.block_tables)
     qsl = np.asarray(md.query_start_loc)
     token_rows = np.full(np.shape(input_ids)[0], -1, np.int32)
-    row_of_tok = np.repeat(np.arange(R), np.diff(qsl[:R + 1]))
-    token_rows[:len(row_of_tok)] = row_of_tok
-    packed, layout = pack_inputs(input_ids, positions, token_rows, md, logits_indices, np.arange(R), W, prev_index,
-                                 num_logits)
-    return jit_step(getattr(module, "mesh", None)), (m.statics, layout, m.leaves, kv_pages, packed,
-                                                     jnp.array(md.block_tables, jnp.int32), prev_tokens)
+    row_of_tok = np.repeat(np.arange(R), np.diff(qsl[: R + 1]))
+    token_rows[: len(row_of_tok)] = row_of_tok
+    packed, layout = pack_inputs(
+        input_ids, positions, token_rows, md, logits_indices, np.arange(R), W, prev_index, num_logits
+    )
+    return jit_step(getattr(module, "mesh", None)), (
+        m.statics,
+        layout,
+        m.leaves,
+        kv_pages,
+        packed,
+        jnp.array(md.block_tables, jnp.int32),
+        prev_tokens,
+    )
 
 
 def step_fn(*args, **kwargs):
@@ -227,13 +305,28 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
     step's forward reads its in-flight decode tokens from."""
     R = sampling.temperature.shape[0]
     sampled = sample(logits[:R], sampling, flags)
-    prompt = (prompt_logprobs(logits[R:], prompt_targets, max(flags.num_logprobs, 0))
-              if prompt_targets.shape[0] else None)
+    prompt = (
+        prompt_logprobs(logits[R:], prompt_targets, max(flags.num_logprobs, 0))
+        if prompt_targets.shape[0]
+        else None
+    )
     return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
 
 
-def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_pages, packed, tables, row_steps,
-           prev_tokens, sampling):
+def _steps(
+    statics,
+    layout,
+    flags,
+    num_steps,
+    num_token_slots,
+    param_leaves,
+    kv_pages,
+    packed,
+    tables,
+    row_steps,
+    prev_tokens,
+    sampling,
+):
     """``num_steps`` decode steps of a batch of one-token rows (each a sequence's next token) in one
     program: each step's forward writes the rows' K/V and samples their next tokens, which are the
     next step's inputs. Row ``r`` runs ``row_steps[r]`` steps (not increasing along the rows), so
@@ -244,25 +337,30 @@ def _steps(statics, layout, flags, num_steps, num_token_slots, param_leaves, kv_
     arithmetic as ``_step`` then ``sample_fn``: a step of a multi-step batch samples what the one
     step would."""
     bs = kv_pages.shape[3]
-    input_ids, positions, md, logits_indices, prev_index, num_logits, _, tables = unpack_inputs(packed, layout, tables,
-                                                                                                 bs)
+    input_ids, positions, md, logits_indices, prev_index, num_logits, _, tables = unpack_inputs(
+        packed, layout, tables, bs
+    )
     params = jax.tree_util.tree_unflatten(statics.tree, param_leaves)
     ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     T, S = input_ids.shape[0], sampling.temperature.shape[0]
-    last = jnp.maximum(row_steps - 1, 0)                  # [R_b]; a decode row's token has its row's index
-    tok_last = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(last)
-    tok_steps = jnp.zeros(T, jnp.int32).at[:last.shape[0]].set(row_steps)
+    last = jnp.maximum(row_steps - 1, 0)  # [R_b]; a decode row's token has its row's index
+    tok_last = jnp.zeros(T, jnp.int32).at[: last.shape[0]].set(last)
+    tok_steps = jnp.zeros(T, jnp.int32).at[: last.shape[0]].set(row_steps)
     tok_row = jnp.minimum(jnp.arange(T), last.shape[0] - 1)
 
     def one_step(carry, i):
         kv_pages, ids = carry
-        active = jnp.sum(row_steps > i)                   # the leading rows that still step
+        active = jnp.sum(row_steps > i)  # the leading rows that still step
         pos = positions + jnp.minimum(i, tok_last)
-        step_md = dataclasses.replace(md, slot_mapping=_kv_slots(md.block_tables, tok_row, pos, bs, i < tok_steps),
-                                      seq_lens=jnp.where(i < row_steps, md.seq_lens + i, 0),
-                                      query_start_loc=jnp.minimum(md.query_start_loc, active))
-        logits, kv_pages = statics.module.apply({"params": params}, ids, pos, kv_pages, step_md, logits_indices,
-                                                jnp.minimum(num_logits, active))
+        step_md = dataclasses.replace(
+            md,
+            slot_mapping=_kv_slots(md.block_tables, tok_row, pos, bs, i < tok_steps),
+            seq_lens=jnp.where(i < row_steps, md.seq_lens + i, 0),
+            query_start_loc=jnp.minimum(md.query_start_loc, active),
+        )
+        logits, kv_pages = statics.module.apply(
+            {"params": params}, ids, pos, kv_pages, step_md, logits_indices, jnp.minimum(num_logits, active)
+        )
         out = sample(logits[:S], dataclasses.replace(sampling, position=sampling.position + i), flags)
         return (kv_pages, ids.at[:S].set(out.tokens)), out
 
@@ -278,8 +376,13 @@ def jit_steps(mesh):
     if mesh is None:
         return jax.jit(_steps, static_argnames=static, donate_argnames=donate)
     kv, rep = parallel.kv_sharding(mesh), parallel.replicated(mesh)
-    return jax.jit(_steps, static_argnames=static, donate_argnames=donate,
-                   in_shardings=(None, kv, rep, rep, rep, rep, rep), out_shardings=(kv, rep, rep, rep))
+    return jax.jit(
+        _steps,
+        static_argnames=static,
+        donate_argnames=donate,
+        in_shardings=(None, kv, rep, rep, rep, rep, rep),
+        out_shardings=(kv, rep, rep, rep),
+    )
 
 
 jit_copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))

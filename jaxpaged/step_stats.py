@@ -13,8 +13,27 @@ from dataclasses import dataclass, field
 
 ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """vLLM's bounds for ``vllm:iteration_tokens_total``."""
-INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                                                  1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 """vLLM's bounds for ``vllm:inter_token_latency_seconds`` and ``vllm:request_time_per_output_token_seconds``."""
 
 
@@ -37,7 +56,9 @@ class Histogram:
         self.total += value * n
 
     def __add__(self, other: Histogram) -> Histogram:
-        return Histogram(self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
+        return Histogram(
+            self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total
+        )
 
     def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.total)
@@ -49,12 +70,16 @@ class StepStats:
 
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram.empty(ITERATION_TOKENS_BUCKETS))
     """Tokens each step computed (a multi-step batch is one step)."""
-    inter_token_latency: Histogram = field(default_factory=lambda: Histogram.empty(INTER_TOKEN_LATENCY_BUCKETS))
+    inter_token_latency: Histogram = field(
+        default_factory=lambda: Histogram.empty(INTER_TOKEN_LATENCY_BUCKETS)
+    )
     """Seconds before each output token but a sample's first (``LLMEngine._record_step``)."""
 
     def __add__(self, other: StepStats) -> StepStats:
-        return StepStats(self.iteration_tokens + other.iteration_tokens,
-                         self.inter_token_latency + other.inter_token_latency)
+        return StepStats(
+            self.iteration_tokens + other.iteration_tokens,
+            self.inter_token_latency + other.inter_token_latency,
+        )
 
     def copy(self) -> StepStats:
         """A snapshot: later steps leave it as it is."""

@@ -77,16 +77,23 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         backend = self._tokenizer.backend
         if backend is None:
-            raise ParamError("structured_outputs", "structured outputs need a fast (Rust) tokenizer; this model's "
-                                                   "tokenizer is a slow one.")
+            raise ParamError(
+                "structured_outputs",
+                "structured outputs need a fast (Rust) tokenizer; this model's tokenizer is a slow one.",
+            )
         # At least the model's vocabulary: the mask covers every logit (a token the tokenizer lacks is never allowed).
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=max(self._vocab_size, self._tokenizer.vocab_size),
-                                      eos_token=self._eos_token_ids or None)
+        return llguidance.LLTokenizer(
+            backend.to_str(),
+            n_vocab=max(self._vocab_size, self._tokenizer.vocab_size),
+            eos_token=self._eos_token_ids or None,
+        )
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A matcher at the start of ``params``'s grammar; ``ParamError`` (a ``ValueError``) naming the
         problem if the backend rejects the grammar."""
-        return GrammarMatcher(self._compiled(params.key).deep_copy(), bitmask_words(self.ll_tokenizer.vocab_size))
+        return GrammarMatcher(
+            self._compiled(params.key).deep_copy(), bitmask_words(self.ll_tokenizer.vocab_size)
+        )
 
     def _compile(self, key: tuple) -> llguidance.LLMatcher:
         kind, text, disable_any_whitespace, whitespace_pattern = key
@@ -96,8 +103,10 @@ class GrammarCompiler:
             raise ParamError("structured_outputs", f"invalid structured_outputs.{kind}: {e}") from None
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ParamError("structured_outputs", f"invalid structured_outputs.{kind} {excerpt(text)}: "
-                                                   f"{matcher.get_error().strip()}")
+            raise ParamError(
+                "structured_outputs",
+                f"invalid structured_outputs.{kind} {excerpt(text)}: {matcher.get_error().strip()}",
+            )
         return matcher
 
 
@@ -116,11 +125,17 @@ def _grammar(kind: str, text: str, disable_any_whitespace: bool, whitespace_patt
         return schema('{"type": "object"}')
     if kind == "structural_tag":
         tag = json.loads(text)
-        tags = [llguidance.StructTag(trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
-                                     begin=s["begin"], grammar=schema(s["schema"]), end=s["end"])
-                for s in tag["structures"]]
+        tags = [
+            llguidance.StructTag(
+                trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
+                begin=s["begin"],
+                grammar=schema(s["schema"]),
+                end=s["end"],
+            )
+            for s in tag["structures"]
+        ]
         return llguidance.StructTag.to_grammar(tags)
-    return llguidance.grammar_from(kind, text)        # a choice's text is its JSON list
+    return llguidance.grammar_from(kind, text)  # a choice's text is its JSON list
 
 
 def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], num_rows: int, vocab_size: int) -> np.ndarray:
@@ -128,9 +143,9 @@ def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], num_rows: int, voca
     each listed ``(matcher, row)`` gets the tokens its grammar allows next, every other row all tokens."""
     mask = np.full((num_rows, rows[0][0].words), -1, np.int32)
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for g, i in rows], mask)
-    mask = np.ascontiguousarray(mask[:, :bitmask_words(vocab_size)])
+    mask = np.ascontiguousarray(mask[:, : bitmask_words(vocab_size)])
     if vocab_size % 32:
-        mask[:, -1] &= (1 << vocab_size % 32) - 1      # no bit past the model's vocabulary (the sampler's rule)
+        mask[:, -1] &= (1 << vocab_size % 32) - 1  # no bit past the model's vocabulary (the sampler's rule)
     return mask
 
 

@@ -42,47 +42,77 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ParamError("structured_outputs", f"structured_outputs must give exactly one of {', '.join(KINDS)}; "
-                                                   f"got {', '.join(given) if given else 'none'}.")
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs must give exactly one of {', '.join(KINDS)}; "
+                f"got {', '.join(given) if given else 'none'}.",
+            )
         if isinstance(self.json, str):
             self.json = _parsed("json", self.json)
         if self.json is not None and not isinstance(self.json, dict):
-            raise ParamError("structured_outputs", f"structured_outputs.json must be a JSON schema (a dict or a JSON "
-                                                   f"object as a string), got {excerpt(self.json)}.")
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs.json must be a JSON schema (a dict or a JSON "
+                f"object as a string), got {excerpt(self.json)}.",
+            )
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v):
-                raise ParamError("structured_outputs", f"structured_outputs.{name} must be a non-empty string, "
-                                                       f"got {excerpt(v)}.")
+                raise ParamError(
+                    "structured_outputs",
+                    f"structured_outputs.{name} must be a non-empty string, got {excerpt(v)}.",
+                )
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not all(isinstance(c, str) for c in self.choice):
-                raise ParamError("structured_outputs", f"structured_outputs.choice must be a list of strings, "
-                                                       f"got {excerpt(self.choice)}.")
+                raise ParamError(
+                    "structured_outputs",
+                    f"structured_outputs.choice must be a list of strings, got {excerpt(self.choice)}.",
+                )
             self.choice = list(self.choice)
             if not self.choice:
-                raise ParamError("structured_outputs", "structured_outputs.choice must hold at least one string.")
+                raise ParamError(
+                    "structured_outputs", "structured_outputs.choice must hold at least one string."
+                )
         if self.json_object is not None and self.json_object is not True:
-            raise ParamError("structured_outputs", f"structured_outputs.json_object must be True when given, "
-                                                   f"got {excerpt(self.json_object)}.")
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs.json_object must be True when given, got {excerpt(self.json_object)}.",
+            )
         if self.structural_tag is not None:
             self._check_structural_tag(_parsed("structural_tag", self.structural_tag))
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ParamError("structured_outputs", f"structured_outputs.disable_any_whitespace must be a bool, "
-                                                   f"got {excerpt(self.disable_any_whitespace)}.")
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {excerpt(self.disable_any_whitespace)}.",
+            )
 
     @staticmethod
     def _check_structural_tag(tag: object) -> None:
-        ok = (isinstance(tag, dict) and isinstance(tag.get("triggers"), list) and tag["triggers"]
-              and all(isinstance(t, str) and t for t in tag["triggers"])
-              and isinstance(tag.get("structures"), list) and tag["structures"]
-              and all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
-                      and isinstance(s.get("schema"), dict)
-                      and any(s["begin"].startswith(t) for t in tag["triggers"]) for s in tag["structures"]))
+        ok = (
+            isinstance(tag, dict)
+            and isinstance(tag.get("triggers"), list)
+            and tag["triggers"]
+            and all(isinstance(t, str) and t for t in tag["triggers"])
+            and isinstance(tag.get("structures"), list)
+            and tag["structures"]
+            and all(
+                isinstance(s, dict)
+                and isinstance(s.get("begin"), str)
+                and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), dict)
+                and any(s["begin"].startswith(t) for t in tag["triggers"])
+                for s in tag["structures"]
+            )
+        )
         if not ok:
-            raise ParamError("structured_outputs", 'structured_outputs.structural_tag must be a JSON object '
-                                                   '{"structures": [{"begin": str, "schema": {...}, "end": str}, ...], '
-                                                   '"triggers": [str, ...]} in which every begin starts with a '
-                                                   f'trigger, got {excerpt(tag)}.')
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs.structural_tag must be a JSON object "
+                '{"structures": [{"begin": str, "schema": {...}, "end": str}, ...], '
+                '"triggers": [str, ...]} in which every begin starts with a '
+                f"trigger, got {excerpt(tag)}.",
+            )
 
     @property
     def kind(self) -> str:
@@ -102,5 +132,6 @@ def _parsed(name: str, text: str) -> object:
     try:
         return json.loads(text)
     except ValueError as e:
-        raise ParamError("structured_outputs", f"structured_outputs.{name} is not valid JSON ({e}): "
-                                               f"{excerpt(text)}.") from None
+        raise ParamError(
+            "structured_outputs", f"structured_outputs.{name} is not valid JSON ({e}): {excerpt(text)}."
+        ) from None

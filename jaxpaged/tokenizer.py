@@ -51,8 +51,10 @@ class Tokenizer:
         self.all_special_ids: set[int] = set(hf.all_special_ids)
         # The Rust tokenizer of a fast tokenizer, called directly: half the cost of ``hf.decode``
         # (whose Python wrapper dominates a short window's decode), and the same text.
-        self.backend: tokenizers.Tokenizer | None = hf.backend_tokenizer if getattr(hf, "is_fast", False) else None
-        if self.backend is not None:        # as transformers' ``encode`` sets them before each call
+        self.backend: tokenizers.Tokenizer | None = (
+            hf.backend_tokenizer if getattr(hf, "is_fast", False) else None
+        )
+        if self.backend is not None:  # as transformers' ``encode`` sets them before each call
             self.backend.no_truncation()
             self.backend.no_padding()
         self._byte_tables = self._build_byte_tables()
@@ -76,9 +78,12 @@ class Tokenizer:
         normalizer (which could shrink the text first), no added token that strips the whitespace
         around it, and no unknown token (a byte missing from the vocabulary is dropped). Else None."""
         backend = self.backend
-        if (self._byte_tables is None or backend.normalizer is not None
-                or not isinstance(backend.model, tokenizers.models.BPE)
-                or any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values())):
+        if (
+            self._byte_tables is None
+            or backend.normalizer is not None
+            or not isinstance(backend.model, tokenizers.models.BPE)
+            or any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values())
+        ):
             return None
         vocab = backend.get_vocab(with_added_tokens=False)
         dropped = bytes(b for c, b in _byte_level_alphabet().items() if c not in vocab)
@@ -113,21 +118,31 @@ class Tokenizer:
         tables = {}
         for skip in (False, True):
             alone = backend.decode_batch(ids, skip_special_tokens=skip)
-            table = [text.encode() if _REPLACEMENT not in text else spelled(backend.id_to_token(i))
-                     for i, text in enumerate(alone)]
-            if any(table[i].decode("utf-8", "replace") != text for i, text in enumerate(alone) if _REPLACEMENT in text):
+            table = [
+                text.encode() if _REPLACEMENT not in text else spelled(backend.id_to_token(i))
+                for i, text in enumerate(alone)
+            ]
+            if any(
+                table[i].decode("utf-8", "replace") != text
+                for i, text in enumerate(alone)
+                if _REPLACEMENT in text
+            ):
                 return None
             tables[skip] = table
         return tables
 
     @classmethod
-    def load(cls, path: str | pathlib.Path, revision: str | None = None,
-             download_dir: str | None = None) -> Tokenizer:
+    def load(
+        cls, path: str | pathlib.Path, revision: str | None = None, download_dir: str | None = None
+    ) -> Tokenizer:
         """From an HF tokenizer directory, a .gguf file (its embedded tokenizer, built from the file's
         metadata), the model alias or a Hugging Face Hub repo id (its
         tokenizer files at ``revision``, downloaded under ``download_dir``)."""
-        path = (resolve_model_path(DEFAULT_MODEL_ALIAS) if str(path) == DEFAULT_MODEL_ALIAS
-                else local_or_snapshot(path, revision, download_dir, TOKENIZER_FILES, kind="tokenizer"))
+        path = (
+            resolve_model_path(DEFAULT_MODEL_ALIAS)
+            if str(path) == DEFAULT_MODEL_ALIAS
+            else local_or_snapshot(path, revision, download_dir, TOKENIZER_FILES, kind="tokenizer")
+        )
         if path.is_file() and path.suffix == ".gguf":
             return cls(load_gguf_tokenizer(path))
         if path.is_dir():
@@ -155,27 +170,38 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def decode_stream(self, context: list[int], skip_special_tokens: bool) -> tokenizers.decoders.DecodeStream | None:
+    def decode_stream(
+        self, context: list[int], skip_special_tokens: bool
+    ) -> tokenizers.decoders.DecodeStream | None:
         """A Rust incremental decoder starting after ``context`` (fast tokenizers), else None."""
         if self.backend is None:
             return None
         try:
             return tokenizers.decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        except TypeError:           # a tokenizers release whose DecodeStream takes no context
+        except TypeError:  # a tokenizers release whose DecodeStream takes no context
             return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """The token ids of ``messages`` rendered by ``chat_template`` (Jinja text, as vLLM's
         ``--chat-template`` gives it) or, without one, by the tokenizer's own template;
         ``chat_template_kwargs``: extra template variables (``enable_thinking``...), as vLLM's."""
         text = self.render_chat(messages, add_generation_prompt, chat_template, chat_template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
-                    tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> str:
         """``messages`` rendered as text (``apply_chat_template`` before tokenizing: the template writes
         the special tokens, so the text is encoded without adding any), with ``tools`` (OpenAI's tool
         definitions) for templates that declare them. ``chat_template_kwargs`` may not name
@@ -191,9 +217,14 @@ class Tokenizer:
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are not template variables.")
         try:
-            return self.hf.apply_chat_template(messages, chat_template=chat_template, tools=tools,
-                                               add_generation_prompt=add_generation_prompt, tokenize=False,
-                                               **variables)
+            return self.hf.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **variables,
+            )
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
@@ -297,7 +328,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._window + self._pending)
         if len(text) <= len(self._window_text) or text.endswith(_REPLACEMENT):
             return None
-        delta = text[len(self._window_text):]
+        delta = text[len(self._window_text) :]
         self._window_text = self._decode(self._pending)
         return delta
 
@@ -309,6 +340,10 @@ class IncrementalDetokenizer:
             self._held, self._partial = "", b""
             self.text += delta
             return delta
-        delta = self._decode(self._window + self._pending)[len(self._decode(self._window)):] if self._pending else ""
+        delta = (
+            self._decode(self._window + self._pending)[len(self._decode(self._window)) :]
+            if self._pending
+            else ""
+        )
         self.text += delta
         return delta

@@ -45,8 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels import AttentionMetadata, cpu_matmul
-from jaxpaged.kernels.cpu_layer_ops import (NATIVE_DTYPES, cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul,
-                                          native_layer_ops_available)
+from jaxpaged.kernels.cpu_layer_ops import (
+    NATIVE_DTYPES,
+    cpu_rms_norm,
+    cpu_rope_qkv,
+    cpu_silu_and_mul,
+    native_layer_ops_available,
+)
 from jaxpaged.kernels.kv_ops import take_rows
 from jaxpaged.kernels.precision import matmul_precision
 from jaxpaged.kernels.sharded import paged_attention, split_fused, write_kv
@@ -78,30 +83,34 @@ class DecoderConfig:
     head_dim: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    norm: str = "rmsnorm"                 # "rmsnorm" | "layernorm"
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    pre_norm: bool = True                 # False: OPT's post-LN (norm after each residual add)
-    final_norm: bool = True               # a norm before the LM head
-    gated_mlp: bool = True                # act(gate) * up (Llama) or act(up) (OPT, GPT-2)
-    activation: str = "silu"              # a key of ACTIVATIONS
+    pre_norm: bool = True  # False: OPT's post-LN (norm after each residual add)
+    final_norm: bool = True  # a norm before the LM head
+    gated_mlp: bool = True  # act(gate) * up (Llama) or act(up) (OPT, GPT-2)
+    activation: str = "silu"  # a key of ACTIVATIONS
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    position: str = "rope"                # "rope" | "learned" (embedding of position + offset)
-    position_offset: int = 0              # OPT's learned positions start at index 2
+    position: str = "rope"  # "rope" | "learned" (embedding of position + offset)
+    position_offset: int = 0  # OPT's learned positions start at index 2
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    sliding_window: int | None = None     # keys with position > q_pos - window (HF's semantics)
-    attn_scale: float | None = None       # None: head_dim ** -0.5
-    word_embed_dim: int | None = None     # OPT's word_embed_proj_dim; None: hidden_size
+    sliding_window: int | None = None  # keys with position > q_pos - window (HF's semantics)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    word_embed_dim: int | None = None  # OPT's word_embed_proj_dim; None: hidden_size
 
     def __post_init__(self):
         if self.norm not in NORMS:
             raise ValueError(f"norm {self.norm!r} is not supported; supported: {NORMS}.")
         if self.position not in POSITIONS:
-            raise ValueError(f"position embedding {self.position!r} is not supported; supported: {POSITIONS}.")
+            raise ValueError(
+                f"position embedding {self.position!r} is not supported; supported: {POSITIONS}."
+            )
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}.")
+            raise ValueError(
+                f"activation {self.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}."
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}.")
 
@@ -124,8 +133,9 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
         wavelen = 2 * math.pi / inv
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * inv / factor + smooth * inv
-        inv = np.where(wavelen > old_len / low, inv / factor,
-                       np.where(wavelen < old_len / high, inv, smoothed))
+        inv = np.where(
+            wavelen > old_len / low, inv / factor, np.where(wavelen < old_len / high, inv, smoothed)
+        )
     return inv.astype(np.float32)
 
 
@@ -172,8 +182,9 @@ class Embed(nn.Module):
     dtype: Any
 
     def setup(self) -> None:
-        self.embedding = self.param("embedding", nn.linear.default_embed_init,
-                                    (self.num_embeddings, self.features), self.dtype)
+        self.embedding = self.param(
+            "embedding", nn.linear.default_embed_init, (self.num_embeddings, self.features), self.dtype
+        )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return take_rows(self.embedding, ids)
@@ -200,20 +211,30 @@ class Linear(nn.Module):
     num_layers: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None, layer: int | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, num_rows: jax.Array | None = None, layer: int | None = None
+    ) -> jax.Array:
         k = x.shape[-1]
         stack = (self.num_layers,) if self.num_layers else ()
         if self.backend == "cpu":
             kernel = self.get_variable("params", "kernel")
-            if kernel is None or kernel.dtype != jnp.uint8:     # else a quantized weight (cpu_matmul.pack_quantized)
+            if (
+                kernel is None or kernel.dtype != jnp.uint8
+            ):  # else a quantized weight (cpu_matmul.pack_quantized)
                 shape = (cdiv(self.features, cpu_matmul.PANEL), k, cpu_matmul.PANEL)
                 kernel = self.param("kernel", nn.initializers.zeros, stack + shape, self.dtype)
             y = cpu_matmul.matmul(x.reshape(-1, k), kernel, self.features, self.out_dtype, num_rows, layer)
             y = y.reshape(*x.shape[:-1], self.features)
         else:
-            kernel = self.param("kernel", nn.initializers.lecun_normal(), stack + (k, self.features), self.dtype)
-            y = jnp.dot(x, _layer_of(kernel, layer), precision=matmul_precision(self.dtype),
-                        preferred_element_type=self.out_dtype)
+            kernel = self.param(
+                "kernel", nn.initializers.lecun_normal(), stack + (k, self.features), self.dtype
+            )
+            y = jnp.dot(
+                x,
+                _layer_of(kernel, layer),
+                precision=matmul_precision(self.dtype),
+                preferred_element_type=self.out_dtype,
+            )
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, stack + (self.features,), self.dtype)
             y = y + _layer_of(bias, layer).astype(y.dtype)
@@ -241,12 +262,23 @@ class Norm(nn.Module):
     num_layers: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None, num_rows: jax.Array | None = None,
-                 layer: int | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        residual: jax.Array | None = None,
+        num_rows: jax.Array | None = None,
+        layer: int | None = None,
+    ):
         d = x.shape[-1]
         stack = (self.num_layers,) if self.num_layers else ()
         w = self.param("weight", nn.initializers.ones, stack + (d,), self.dtype)
-        if self.native and self.kind == "rmsnorm" and x.ndim == 2 and x.dtype == w.dtype and x.dtype in NATIVE_DTYPES:
+        if (
+            self.native
+            and self.kind == "rmsnorm"
+            and x.ndim == 2
+            and x.dtype == w.dtype
+            and x.dtype in NATIVE_DTYPES
+        ):
             return cpu_rms_norm(x, w, self.eps, residual, num_rows, layer)
         w = _layer_of(w, layer)
         if residual is not None:
@@ -277,20 +309,29 @@ class DecoderLayer(nn.Module):
     cfg: DecoderConfig
     dtype: Any
     attention_backend: str
-    mesh: Any = None    # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
+    mesh: Any = None  # tensor parallelism: heads split over the mesh's "tp" axis (jaxpaged.parallel)
     matmul_backend: str = "xla"
     num_layers: int = 0
 
     @nn.compact
-    def __call__(self, h: jax.Array, delta: jax.Array | None, kv_pages: jax.Array,
-                 rope: tuple[jax.Array, jax.Array] | None, md: AttentionMetadata, layer: int):
+    def __call__(
+        self,
+        h: jax.Array,
+        delta: jax.Array | None,
+        kv_pages: jax.Array,
+        rope: tuple[jax.Array, jax.Array] | None,
+        md: AttentionMetadata,
+        layer: int,
+    ):
         c = self.cfg
         T = h.shape[0]
         num_rows = md.num_real_tokens
         native = native_layer_ops(self.attention_backend, self.mesh)
         # The params' layer: ours when they are stacked, else they are this layer's own.
         pick = layer if self.num_layers else None
-        dense = functools.partial(Linear, dtype=self.dtype, backend=self.matmul_backend, num_layers=self.num_layers)
+        dense = functools.partial(
+            Linear, dtype=self.dtype, backend=self.matmul_backend, num_layers=self.num_layers
+        )
         norm = functools.partial(Norm, c.norm, c.norm_eps, self.dtype, native, self.num_layers)
         attn_norm = functools.partial(norm(name="input_layernorm"), layer=pick)
         mlp_norm = functools.partial(norm(name="post_attention_layernorm"), layer=pick)
@@ -311,10 +352,20 @@ class DecoderLayer(nn.Module):
             k, v = k.reshape(T, c.num_kv_heads, c.head_dim), v.reshape(T, c.num_kv_heads, c.head_dim)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh)
-        scale = c.head_dim ** -0.5 if c.attn_scale is None else c.attn_scale
-        attn = paged_attention(q, kv_pages, layer, md, backend=self.attention_backend, mesh=self.mesh,
-                               scale=scale, sliding_window=c.sliding_window)
+        kv_pages = write_kv(
+            kv_pages, layer, k, v, md.slot_mapping, backend=self.attention_backend, mesh=self.mesh
+        )
+        scale = c.head_dim**-0.5 if c.attn_scale is None else c.attn_scale
+        attn = paged_attention(
+            q,
+            kv_pages,
+            layer,
+            md,
+            backend=self.attention_backend,
+            mesh=self.mesh,
+            scale=scale,
+            sliding_window=c.sliding_window,
+        )
         o = dense(c.hidden_size, use_bias=c.o_bias, name="o_proj")(attn.reshape(T, q_size), num_rows, pick)
         if c.pre_norm:
             h, x = mlp_norm(h, o, num_rows)
@@ -322,7 +373,9 @@ class DecoderLayer(nn.Module):
             h = x = attn_norm(h + o)
         act = functools.partial(activate, c.activation)
         if c.gated_mlp:
-            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(x, num_rows, pick)
+            gate_up = dense(2 * c.intermediate_size, use_bias=c.mlp_bias, name="gate_up_proj")(
+                x, num_rows, pick
+            )
             if native and c.activation == "silu" and gate_up.ndim == 2 and gate_up.dtype in NATIVE_DTYPES:
                 y = cpu_silu_and_mul(gate_up, num_rows)
             else:
@@ -345,12 +398,14 @@ class DecoderForCausalLM(nn.Module):
     cfg: DecoderConfig
     dtype: Any = jnp.float32
     attention_backend: str = "xla"
-    mesh: Any = None    # set by jaxpaged.parallel.shard_model for tensor parallelism
-    matmul_backend: str = "xla"     # "cpu": kernels packed for the native CPU matmul (one device only)
-    scan_layers: bool = False       # layers 1..L-1 as one lax.scan over params stacked by stack_layers
+    mesh: Any = None  # set by jaxpaged.parallel.shard_model for tensor parallelism
+    matmul_backend: str = "xla"  # "cpu": kernels packed for the native CPU matmul (one device only)
+    scan_layers: bool = False  # layers 1..L-1 as one lax.scan over params stacked by stack_layers
 
     @nn.compact
-    def __call__(self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices, num_logits=None):
+    def __call__(
+        self, input_ids, positions, kv_pages, md: AttentionMetadata, logits_indices, num_logits=None
+    ):
         c = self.cfg
         dense = functools.partial(Linear, use_bias=False, dtype=self.dtype, backend=self.matmul_backend)
         project = c.embed_dim != c.hidden_size
@@ -362,25 +417,38 @@ class DecoderForCausalLM(nn.Module):
         if c.position == "rope":
             rope = rope_tables(positions, rope_inv_freq(c), self.dtype)
         else:
-            h = h + Embed(c.max_position_embeddings + c.position_offset, c.hidden_size, self.dtype,
-                          name="embed_positions")(positions + c.position_offset)
+            h = h + Embed(
+                c.max_position_embeddings + c.position_offset,
+                c.hidden_size,
+                self.dtype,
+                name="embed_positions",
+            )(positions + c.position_offset)
         delta = None
         # The native CPU matmul reads every layer's weights from arrays stacked over the layers.
         stacked = self.matmul_backend == "cpu"
-        layer_kind = functools.partial(DecoderLayer, c, self.dtype, self.attention_backend, self.mesh,
-                                       self.matmul_backend)
+        layer_kind = functools.partial(
+            DecoderLayer, c, self.dtype, self.attention_backend, self.mesh, self.matmul_backend
+        )
         if self.scan_layers:
             h, delta, kv_pages = self._scanned_layers(layer_kind, h, kv_pages, rope, md)
         else:
-            layers = ([layer_kind(c.num_layers, name="layers")] * c.num_layers if stacked else
-                      [layer_kind(name=layer_name(i)) for i in range(c.num_layers)])
+            layers = (
+                [layer_kind(c.num_layers, name="layers")] * c.num_layers
+                if stacked
+                else [layer_kind(name=layer_name(i)) for i in range(c.num_layers)]
+            )
             for i, layer in enumerate(layers):
                 h, delta, kv_pages = layer(h, delta, kv_pages, rope, md, i)
         h = h[logits_indices]
         delta = None if delta is None else delta[logits_indices]
         if c.final_norm:
-            norm = Norm(c.norm, c.norm_eps, self.dtype, native_layer_ops(self.attention_backend, self.mesh),
-                        name="norm")
+            norm = Norm(
+                c.norm,
+                c.norm_eps,
+                self.dtype,
+                native_layer_ops(self.attention_backend, self.mesh),
+                name="norm",
+            )
             h = norm(h, num_rows=num_logits) if delta is None else norm(h, delta, num_logits)[1]
         elif delta is not None:
             h = h + delta
@@ -388,9 +456,12 @@ class DecoderForCausalLM(nn.Module):
             h = dense(c.embed_dim, name="project_out")(h, num_logits)
         # The native matmul needs its own packed copy of a tied head (the embedding, transposed).
         tied = c.tie_word_embeddings and self.matmul_backend != "cpu"
-        logits = embed.attend(h) if tied else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h, num_logits)
+        logits = (
+            embed.attend(h)
+            if tied
+            else dense(c.vocab_size, name="lm_head", out_dtype=jnp.float32)(h, num_logits)
+        )
         return logits.astype(jnp.float32), kv_pages
-
 
     def _scanned_layers(self, layer_kind, h, kv_pages, rope, md):
         """Every layer on params stacked over the layers (``layers``, leaves ``[L, ...]``): layer 0 as a
@@ -399,9 +470,15 @@ class DecoderForCausalLM(nn.Module):
         the weights, the page array and the kernels take as a traced scalar. XLA then compiles one layer,
         not L: the lever on an accelerator's compile time. Off on CPU, where XLA copied every layer's
         weight slices out of the stack at each step of such a loop."""
-        if self.matmul_backend != "xla" or native_layer_ops(self.attention_backend, self.mesh) or self.mesh is not None:
-            raise ValueError("scan_layers runs XLA's dot and ops on one device (matmul_backend='xla', no native "
-                             "layer ops, no tensor parallelism)")
+        if (
+            self.matmul_backend != "xla"
+            or native_layer_ops(self.attention_backend, self.mesh)
+            or self.mesh is not None
+        ):
+            raise ValueError(
+                "scan_layers runs XLA's dot and ops on one device (matmul_backend='xla', no native "
+                "layer ops, no tensor parallelism)"
+            )
         L = self.cfg.num_layers
         h, delta, kv_pages = layer_kind(L, name="layers")(h, None, kv_pages, rope, md, 0)
         params = {"params": self.variables["params"]["layers"]}
@@ -409,6 +486,7 @@ class DecoderForCausalLM(nn.Module):
 
         def body(carry, i):
             return step.apply(params, *carry, rope, md, i), None
+
         return jax.lax.scan(body, (h, delta, kv_pages), jnp.arange(1, L, dtype=jnp.int32))[0]
 
 
@@ -416,8 +494,10 @@ def stack_layers(params: dict, cfg: DecoderConfig) -> dict:
     """The param tree of ``scan_layers``: the per-layer params (``layers_{i}``) stacked into ``layers``,
     each leaf ``[L, ...]`` (host numpy, once at load)."""
     out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    out["layers"] = jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(a) for a in leaves]),
-                                           *[params[layer_name(i)] for i in range(cfg.num_layers)])
+    out["layers"] = jax.tree_util.tree_map(
+        lambda *leaves: np.stack([np.asarray(a) for a in leaves]),
+        *[params[layer_name(i)] for i in range(cfg.num_layers)],
+    )
     return out
 
 
@@ -445,6 +525,7 @@ def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backen
                 split(value, out.setdefault(key, {}), path + (key,))
             else:
                 out[key] = value
+
     split(params, plain, ())
     if backend == "xla":
         return plain
@@ -459,16 +540,23 @@ def pack_for_matmul_backend(params: dict, cfg: DecoderConfig, dtype: Any, backen
         if quantize and quantized and module in blocks:
             return cpu_matmul.pack_quantized(*blocks[module])
         return cpu_matmul.pack_weight(np.asarray(a), dtype)
+
     packed = jax.tree_util.tree_map_with_path(pack, plain)
     names = [layer_name(i) for i in range(cfg.num_layers)]
     layers = [packed.pop(name) for name in names]
 
     def stack(path, *leaves):
         if any(a.shape != leaves[0].shape or a.dtype != leaves[0].dtype for a in leaves):
-            leaves = [pack((jax.tree_util.DictKey(name), *path),
-                           functools.reduce(lambda node, key: node[key.key], path, plain[name]), quantized=False)
-                      for name in names]
+            leaves = [
+                pack(
+                    (jax.tree_util.DictKey(name), *path),
+                    functools.reduce(lambda node, key: node[key.key], path, plain[name]),
+                    quantized=False,
+                )
+                for name in names
+            ]
         return np.stack(leaves)
+
     packed["layers"] = jax.tree_util.tree_map_with_path(stack, *layers)
     return packed
 
@@ -486,15 +574,22 @@ def init_params(cfg: DecoderConfig, dtype: Any) -> dict:
     model = DecoderForCausalLM(cfg, dtype)
     T, R, W = 1, 1, 1
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(T, jnp.int32), block_tables=jnp.zeros((R, W), jnp.int32),
-        seq_lens=jnp.ones(R, jnp.int32), query_start_loc=jnp.array([0, 1], jnp.int32),
-        tile_row=jnp.zeros(0, jnp.int32), tile_start=jnp.zeros(0, jnp.int32), tile_len=jnp.zeros(0, jnp.int32))
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        block_tables=jnp.zeros((R, W), jnp.int32),
+        seq_lens=jnp.ones(R, jnp.int32),
+        query_start_loc=jnp.array([0, 1], jnp.int32),
+        tile_row=jnp.zeros(0, jnp.int32),
+        tile_start=jnp.zeros(0, jnp.int32),
+        tile_len=jnp.zeros(0, jnp.int32),
+    )
     kv = jnp.zeros((cfg.num_layers, 2, 2, 1, cfg.num_kv_heads, cfg.head_dim), dtype)
-    return model.init(jax.random.key(0), jnp.zeros(T, jnp.int32), jnp.zeros(T, jnp.int32), kv, md,
-                      jnp.zeros(R, jnp.int32))["params"]
+    return model.init(
+        jax.random.key(0), jnp.zeros(T, jnp.int32), jnp.zeros(T, jnp.int32), kv, md, jnp.zeros(R, jnp.int32)
+    )["params"]
 
 
 # ---------------------------------------------------------------- HF checkpoint -> param tree
+
 
 @dataclass(frozen=True)
 class Source:
@@ -524,14 +619,27 @@ def norm(hf_name: str, cfg: DecoderConfig) -> dict[str, Source]:
     return out
 
 
-def hf_layout(cfg: DecoderConfig, *, embed: str, layer: str, attn_norm: str, mlp_norm: str,
-              qkv: str | list[str], o: str, up: str | list[str], down: str, final_norm: str | None = None,
-              positions: str | None = None, project: tuple[str, str] | None = None,
-              transpose: bool = True) -> dict:
+def hf_layout(
+    cfg: DecoderConfig,
+    *,
+    embed: str,
+    layer: str,
+    attn_norm: str,
+    mlp_norm: str,
+    qkv: str | list[str],
+    o: str,
+    up: str | list[str],
+    down: str,
+    final_norm: str | None = None,
+    positions: str | None = None,
+    project: tuple[str, str] | None = None,
+    transpose: bool = True,
+) -> dict:
     """The ``convert_hf`` layout of a family from its HF module names: ``layer`` is the prefix of
     layer ``{}``, to which the per-layer names are relative; ``qkv`` (and ``up`` for a gated MLP:
     [gate, up]) list the modules fused into one kernel. ``transpose`` False for ``Conv1D`` weights.
     The LM head (when not tied) is always the ``nn.Linear`` named ``lm_head``."""
+
     def dense(names: str | list[str], bias: bool) -> dict[str, Source]:
         names = [names] if isinstance(names, str) else names
         return linear([layer + n for n in names], bias=bias, transpose=transpose)
@@ -559,8 +667,13 @@ def hf_layout(cfg: DecoderConfig, *, embed: str, layer: str, attn_norm: str, mlp
     return layout
 
 
-def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any, layout: dict,
-               quantized: Mapping[str, tuple] | None = None) -> dict:
+def convert_hf(
+    cfg: DecoderConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any,
+    layout: dict,
+    quantized: Mapping[str, tuple] | None = None,
+) -> dict:
     """Build the param tree from HF tensors following ``layout`` (our nested param names ->
     ``Source``; the ``layers`` entry describes every layer: it becomes ``layers_0`` ...), checking
     that every tensor is there and every shape matches the config.
@@ -594,11 +707,15 @@ def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
     expected = param_shapes(cfg, dtype)
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
-        raise ValueError(f"internal error: the weight mapping builds params {jax.tree_util.tree_structure(params)}"
-                         f", the model has {jax.tree_util.tree_structure(expected)}")
-    bad = [f"{jax.tree_util.keystr(k)}: checkpoint {a.shape}, model {e.shape}"
-           for (k, a), e in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(expected))
-           if a.shape != e.shape]
+        raise ValueError(
+            f"internal error: the weight mapping builds params {jax.tree_util.tree_structure(params)}"
+            f", the model has {jax.tree_util.tree_structure(expected)}"
+        )
+    bad = [
+        f"{jax.tree_util.keystr(k)}: checkpoint {a.shape}, model {e.shape}"
+        for (k, a), e in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(expected))
+        if a.shape != e.shape
+    ]
     if bad:
         raise ValueError(f"checkpoint shapes do not match the config: {bad[:3]}")
     # Host arrays: the runner places them (into their shards under tensor parallelism).
@@ -611,10 +728,13 @@ def convert_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any
 def _attach_blocks(params: dict, layout: dict, quantized: Mapping[str, tuple], cfg: DecoderConfig) -> None:
     """``convert_hf``'s ``kernel_blocks``: for each ``[out, in]`` kernel all of whose HF tensors are
     quantized, their blocks transposed to ``[in, out]`` and fused along ``out`` in the kernel's order."""
+
     def blocks(names: list[str]) -> tuple | None:
         if not all(n in quantized for n in names):
             return None
-        return tuple(np.concatenate([np.asarray(quantized[n][f]).T for n in names], axis=-1) for f in range(3))
+        return tuple(
+            np.concatenate([np.asarray(quantized[n][f]).T for n in names], axis=-1) for f in range(3)
+        )
 
     def walk(node: dict, into: dict, layer: int | None) -> None:
         for key, src in node.items():
@@ -643,12 +763,12 @@ def hf_prefix(tensors: Mapping[str, np.ndarray], probe: str, prefixes: tuple[str
 # ---------------------------------------------------------------- tensor parallelism (rules only)
 
 PARALLEL_STYLE = {
-    "embed_tokens": "vocab",        # split the vocabulary rows
-    "lm_head": "column",            # split the vocabulary (output) columns
-    "qkv_proj": "column",           # fused: split each of the q, k, v sections by heads (column_sections)
-    "gate_up_proj": "column",       # fused: split each of the gate, up sections (column_sections)
+    "embed_tokens": "vocab",  # split the vocabulary rows
+    "lm_head": "column",  # split the vocabulary (output) columns
+    "qkv_proj": "column",  # fused: split each of the q, k, v sections by heads (column_sections)
+    "gate_up_proj": "column",  # fused: split each of the gate, up sections (column_sections)
     "up_proj": "column",
-    "o_proj": "row",                # split the input rows; its bias is added once, after the all-reduce
+    "o_proj": "row",  # split the input rows; its bias is added once, after the all-reduce
     "down_proj": "row",
 }
 """Tensor-parallel style of each module by name; any other module (norms, ``embed_positions``,
@@ -665,12 +785,18 @@ def column_sections(cfg: DecoderConfig, module: str) -> tuple[int, ...]:
     """Widths of the fused sections of a column-parallel module's output axis, each to be split
     evenly across devices (``(q, k, v)`` for ``qkv_proj``, ``(gate, up)`` for ``gate_up_proj``)."""
     if module == "qkv_proj":
-        return (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        return (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        )
     if module == "gate_up_proj":
         return (cfg.intermediate_size, cfg.intermediate_size)
     if module == "up_proj":
         return (cfg.intermediate_size,)
     if module == "lm_head":
         return (cfg.vocab_size,)
-    raise ValueError(f"{module!r} is not a column-parallel module; those are "
-                     f"{[m for m, s in PARALLEL_STYLE.items() if s == 'column']}")
+    raise ValueError(
+        f"{module!r} is not a column-parallel module; those are "
+        f"{[m for m, s in PARALLEL_STYLE.items() if s == 'column']}"
+    )

@@ -32,16 +32,33 @@ def config_from_hf(hf: Any) -> DecoderConfig:
         norm_eps=hf.layer_norm_epsilon,
         gated_mlp=False,
         activation=hf.activation_function,
-        qkv_bias=True, o_bias=True, mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
         position="learned",
         attn_scale=None if getattr(hf, "scale_attn_weights", True) else 1.0,
     )
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
-                   quantized: Mapping[str, tuple] | None = None) -> dict:
+def params_from_hf(
+    cfg: DecoderConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any,
+    quantized: Mapping[str, tuple] | None = None,
+) -> dict:
     t = hf_prefix(tensors, "wte.weight", ("transformer.", ""))
-    layout = hf_layout(cfg, embed=t + "wte", positions=t + "wpe", layer=t + "h.{}.", attn_norm="ln_1",
-                       mlp_norm="ln_2", qkv="attn.c_attn", o="attn.c_proj", up="mlp.c_fc", down="mlp.c_proj",
-                       final_norm=t + "ln_f", transpose=False)
+    layout = hf_layout(
+        cfg,
+        embed=t + "wte",
+        positions=t + "wpe",
+        layer=t + "h.{}.",
+        attn_norm="ln_1",
+        mlp_norm="ln_2",
+        qkv="attn.c_attn",
+        o="attn.c_proj",
+        up="mlp.c_fc",
+        down="mlp.c_proj",
+        final_norm=t + "ln_f",
+        transpose=False,
+    )
     return convert_hf(cfg, tensors, dtype, layout, quantized)

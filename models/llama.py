@@ -8,11 +8,25 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxpaged.models.decoder import SUPPORTED_ROPE_TYPES, DecoderConfig, DecoderForCausalLM, convert_hf, hf_layout, init_params
+from jaxpaged.models.decoder import (
+    SUPPORTED_ROPE_TYPES,
+    DecoderConfig,
+    DecoderForCausalLM,
+    convert_hf,
+    hf_layout,
+    init_params,
+)
 
 LlamaForCausalLM = DecoderForCausalLM
-__all__ = ["LlamaArchConfig", "LlamaForCausalLM", "config_from_hf", "init_params", "mistral_config_from_hf",
-           "params_from_hf", "qwen2_config_from_hf"]
+__all__ = [
+    "LlamaArchConfig",
+    "LlamaForCausalLM",
+    "config_from_hf",
+    "init_params",
+    "mistral_config_from_hf",
+    "params_from_hf",
+    "qwen2_config_from_hf",
+]
 
 
 def LlamaArchConfig(*, rms_norm_eps: float, **fields: Any) -> DecoderConfig:  # noqa: N802 (kept for callers)
@@ -31,9 +45,11 @@ def _sliding_window(hf: Any) -> int | None:
         return None
     if kinds == {"sliding_attention"}:
         return int(window)
-    raise ValueError(f"per-layer attention types {list(hf.layer_types)} (e.g. Qwen2's max_window_layers="
-                     f"{getattr(hf, 'max_window_layers', None)} with {hf.num_hidden_layers} layers) mix sliding-"
-                     "window and full attention, which is not supported: every layer must use the same window.")
+    raise ValueError(
+        f"per-layer attention types {list(hf.layer_types)} (e.g. Qwen2's max_window_layers="
+        f"{getattr(hf, 'max_window_layers', None)} with {hf.num_hidden_layers} layers) mix sliding-"
+        "window and full attention, which is not supported: every layer must use the same window."
+    )
 
 
 def config_from_hf(hf: Any) -> DecoderConfig:
@@ -76,11 +92,23 @@ def qwen2_config_from_hf(hf: Any) -> DecoderConfig:
     return dataclasses.replace(config_from_hf(hf), qkv_bias=True, o_bias=False)
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
-                   quantized: Mapping[str, tuple] | None = None) -> dict:
+def params_from_hf(
+    cfg: DecoderConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any,
+    quantized: Mapping[str, tuple] | None = None,
+) -> dict:
     """Map HF parameter names to the (per-layer, fused) param tree, checking every shape."""
-    layout = hf_layout(cfg, embed="model.embed_tokens", layer="model.layers.{}.", attn_norm="input_layernorm",
-                       mlp_norm="post_attention_layernorm", qkv=[f"self_attn.{n}_proj" for n in "qkv"],
-                       o="self_attn.o_proj", up=["mlp.gate_proj", "mlp.up_proj"], down="mlp.down_proj",
-                       final_norm="model.norm")
+    layout = hf_layout(
+        cfg,
+        embed="model.embed_tokens",
+        layer="model.layers.{}.",
+        attn_norm="input_layernorm",
+        mlp_norm="post_attention_layernorm",
+        qkv=[f"self_attn.{n}_proj" for n in "qkv"],
+        o="self_attn.o_proj",
+        up=["mlp.gate_proj", "mlp.up_proj"],
+        down="mlp.down_proj",
+        final_norm="model.norm",
+    )
     return convert_hf(cfg, tensors, dtype, layout, quantized)

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpaged.models.decoder import DecoderConfig, convert_hf, hf_layout, hf_prefix
 
-POSITION_OFFSET = 2   # HF's OPTLearnedPositionalEmbedding looks up position + 2
+POSITION_OFFSET = 2  # HF's OPTLearnedPositionalEmbedding looks up position + 2
 
 
 def config_from_hf(hf: Any) -> DecoderConfig:
@@ -29,23 +29,39 @@ def config_from_hf(hf: Any) -> DecoderConfig:
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
         norm="layernorm",
-        norm_eps=1e-5,                      # torch.nn.LayerNorm's default; OPT does not set it
+        norm_eps=1e-5,  # torch.nn.LayerNorm's default; OPT does not set it
         pre_norm=pre_norm,
         final_norm=pre_norm and not getattr(hf, "_remove_final_layer_norm", False),
         gated_mlp=False,
         activation=hf.activation_function,
-        qkv_bias=bias, o_bias=bias, mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
         position="learned",
         position_offset=POSITION_OFFSET,
         word_embed_dim=hf.word_embed_proj_dim or hf.hidden_size,
     )
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], dtype: Any,
-                   quantized: Mapping[str, tuple] | None = None) -> dict:
+def params_from_hf(
+    cfg: DecoderConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any,
+    quantized: Mapping[str, tuple] | None = None,
+) -> dict:
     d = hf_prefix(tensors, "embed_tokens.weight", ("model.decoder.", "decoder."))
-    layout = hf_layout(cfg, embed=d + "embed_tokens", positions=d + "embed_positions", layer=d + "layers.{}.",
-                       attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm",
-                       qkv=[f"self_attn.{n}_proj" for n in "qkv"], o="self_attn.out_proj", up="fc1", down="fc2",
-                       final_norm=d + "final_layer_norm", project=(d + "project_in", d + "project_out"))
+    layout = hf_layout(
+        cfg,
+        embed=d + "embed_tokens",
+        positions=d + "embed_positions",
+        layer=d + "layers.{}.",
+        attn_norm="self_attn_layer_norm",
+        mlp_norm="final_layer_norm",
+        qkv=[f"self_attn.{n}_proj" for n in "qkv"],
+        o="self_attn.out_proj",
+        up="fc1",
+        down="fc2",
+        final_norm=d + "final_layer_norm",
+        project=(d + "project_in", d + "project_out"),
+    )
     return convert_hf(cfg, tensors, dtype, layout, quantized)

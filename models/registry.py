@@ -12,11 +12,26 @@ import flax.linen as nn
 import numpy as np
 
 from jaxpaged.models import gpt2, llama, opt
-from jaxpaged.models.decoder import (PARALLEL_STYLE, DecoderConfig, DecoderForCausalLM, column_sections, pack_for_matmul_backend,
-                            parallel_style, runs_quantized)
+from jaxpaged.models.decoder import (
+    PARALLEL_STYLE,
+    DecoderConfig,
+    DecoderForCausalLM,
+    column_sections,
+    pack_for_matmul_backend,
+    parallel_style,
+    runs_quantized,
+)
 
-__all__ = ["PARALLEL_STYLE", "BuiltModel", "Family", "ModelShape", "build_model", "column_sections",
-           "parallel_style", "supported_architectures"]
+__all__ = [
+    "PARALLEL_STYLE",
+    "BuiltModel",
+    "Family",
+    "ModelShape",
+    "build_model",
+    "column_sections",
+    "parallel_style",
+    "supported_architectures",
+]
 
 
 @dataclass(frozen=True)
@@ -61,18 +76,28 @@ def config_from_hf(hf_config: Any) -> tuple[str, DecoderConfig]:
     archs = list(getattr(hf_config, "architectures", None) or [])
     found = [a for a in archs if a in _ARCHITECTURES]
     if not found:
-        raise ValueError(f"unsupported model architecture {archs or '(none given)'}; "
-                         f"supported: {supported_architectures()}")
+        raise ValueError(
+            f"unsupported model architecture {archs or '(none given)'}; "
+            f"supported: {supported_architectures()}"
+        )
     return found[0], _ARCHITECTURES[found[0]].config_from_hf(hf_config)
 
 
 def model_shape(cfg: DecoderConfig) -> ModelShape:
-    return ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings)
+    return ModelShape(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings
+    )
 
 
-def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
-                attention_backend: str, params: Any = None, matmul_backend: str = "xla",
-                quantized: Mapping[str, tuple] | None = None) -> BuiltModel:
+def build_model(
+    hf_config: Any,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any,
+    attention_backend: str,
+    params: Any = None,
+    matmul_backend: str = "xla",
+    quantized: Mapping[str, tuple] | None = None,
+) -> BuiltModel:
     """``params``, if given, is the ready param tree (an orbax checkpoint's) and ``tensors`` is unused.
     With ``matmul_backend="cpu"`` the params are packed for the native CPU matmul (not a tree to save);
     in float32 the kernels whose tensors are in ``quantized`` (HF name -> affine blocks, a GGUF's
@@ -80,8 +105,9 @@ def build_model(hf_config: Any, tensors: Mapping[str, np.ndarray], dtype: Any,
     arch, cfg = config_from_hf(hf_config)
     if params is None:
         # Blocks are fused only where they will run (not for XLA's dot).
-        params = _ARCHITECTURES[arch].params_from_hf(cfg, tensors, dtype,
-                                                     quantized if runs_quantized(matmul_backend) else None)
+        params = _ARCHITECTURES[arch].params_from_hf(
+            cfg, tensors, dtype, quantized if runs_quantized(matmul_backend) else None
+        )
     params = pack_for_matmul_backend(params, cfg, dtype, matmul_backend)
     module = DecoderForCausalLM(cfg, dtype, attention_backend, matmul_backend=matmul_backend)
     return BuiltModel(module, params, model_shape(cfg))

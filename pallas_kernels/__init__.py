@@ -9,5 +9,14 @@ from jaxpaged.kernels.dispatch import gathers_pages, paged_attention, resolve_ba
 from jaxpaged.kernels.kv_ops import copy_blocks, write_kv
 from jaxpaged.kernels.metadata import PAD_SLOT, AttentionMetadata, build_prefill_tiles
 
-__all__ = ["AttentionMetadata", "PAD_SLOT", "build_prefill_tiles", "copy_blocks", "gathers_pages", "paged_attention",
-           "resolve_backend", "resolve_matmul_backend", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "PAD_SLOT",
+    "build_prefill_tiles",
+    "copy_blocks",
+    "gathers_pages",
+    "paged_attention",
+    "resolve_backend",
+    "resolve_matmul_backend",
+    "write_kv",
+]

@@ -27,19 +27,33 @@ _SILU_TARGET = "jaxpaged_silu_and_mul_cpu"
 @functools.cache
 def native_layer_ops_available() -> bool:
     """Load the compiled kernels and register them with XLA (once); False if they were not built."""
-    return register_cpu_targets("jaxpaged.kernels._layer_ops_cpu",
-                                {_ROPE_TARGET: "JaxpagedRopeQkvCpu", _NORM_TARGET: "JaxpagedRmsNormCpu",
-                                 _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu", _SILU_TARGET: "JaxpagedSiluAndMulCpu"})
+    return register_cpu_targets(
+        "jaxpaged.kernels._layer_ops_cpu",
+        {
+            _ROPE_TARGET: "JaxpagedRopeQkvCpu",
+            _NORM_TARGET: "JaxpagedRmsNormCpu",
+            _ADD_NORM_TARGET: "JaxpagedAddRmsNormCpu",
+            _SILU_TARGET: "JaxpagedSiluAndMulCpu",
+        },
+    )
 
 
 def _require_kernels() -> None:
     if not native_layer_ops_available():
-        raise RuntimeError("the native CPU layer kernels were not built (no C++ compiler at install time?); "
-                           "reinstall jaxpaged with g++ available")
+        raise RuntimeError(
+            "the native CPU layer kernels were not built (no C++ compiler at install time?); "
+            "reinstall jaxpaged with g++ available"
+        )
 
 
-def cpu_rope_qkv(qkv: jax.Array, cos_table: jax.Array, sin_table: jax.Array, num_heads: int, num_kv_heads: int,
-                 num_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def cpu_rope_qkv(
+    qkv: jax.Array,
+    cos_table: jax.Array,
+    sin_table: jax.Array,
+    num_heads: int,
+    num_kv_heads: int,
+    num_rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fused projection's output ``qkv[T, (Hq + 2 Hkv) * D]`` split into ``q[T, Hq, D]`` and ``k[T, Hkv, D]``,
     rotated, and ``v[T, Hkv, D]``: ``x * C + swap(x) * S`` for each head (``swap`` exchanging its halves;
     ``C``, ``S``: ``T x D`` elements, ``models.decoder.rope_tables``), each product and the sum rounded to
@@ -48,23 +62,40 @@ def cpu_rope_qkv(qkv: jax.Array, cos_table: jax.Array, sin_table: jax.Array, num
     runs the bfloat16 rotation 4.6-5.9x slower). Rows from ``num_rows`` (None: all) on come out zero."""
     _require_kernels()
     if not qkv.dtype == cos_table.dtype == sin_table.dtype or qkv.dtype not in NATIVE_DTYPES:
-        raise ValueError(f"the native rotary kernel takes float32 or bfloat16 qkv and tables of one dtype, got "
-                         f"{qkv.dtype}, {cos_table.dtype}, {sin_table.dtype}")
+        raise ValueError(
+            f"the native rotary kernel takes float32 or bfloat16 qkv and tables of one dtype, got "
+            f"{qkv.dtype}, {cos_table.dtype}, {sin_table.dtype}"
+        )
     heads = num_heads + 2 * num_kv_heads
     T = qkv.shape[0]
     d = qkv.shape[-1] // heads if qkv.ndim == 2 and heads > 0 else 0
-    if (qkv.ndim != 2 or num_heads <= 0 or num_kv_heads <= 0 or d * heads != qkv.shape[1] or d % 2
-            or cos_table.size != T * d or sin_table.shape != cos_table.shape):
-        raise ValueError(f"expected qkv[T, (Hq + 2 Hkv) * D] with D even ({num_heads} + 2 x {num_kv_heads} heads) "
-                         f"and tables of T x D elements, got {qkv.shape}, {cos_table.shape}, {sin_table.shape}")
+    if (
+        qkv.ndim != 2
+        or num_heads <= 0
+        or num_kv_heads <= 0
+        or d * heads != qkv.shape[1]
+        or d % 2
+        or cos_table.size != T * d
+        or sin_table.shape != cos_table.shape
+    ):
+        raise ValueError(
+            f"expected qkv[T, (Hq + 2 Hkv) * D] with D even ({num_heads} + 2 x {num_kv_heads} heads) "
+            f"and tables of T x D elements, got {qkv.shape}, {cos_table.shape}, {sin_table.shape}"
+        )
     rows = row_count(num_rows, T)
     kv = jax.ShapeDtypeStruct((T, num_kv_heads, d), qkv.dtype)
     out = (jax.ShapeDtypeStruct((T, num_heads, d), qkv.dtype), kv, kv)
     return tuple(jax.ffi.ffi_call(_ROPE_TARGET, out)(qkv, cos_table, sin_table, rows))
 
 
-def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Array | None = None,
-                 num_rows: jax.Array | None = None, layer: int | None = None):
+def cpu_rms_norm(
+    h: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    residual: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
+    layer: int | None = None,
+):
     """RMSNorm of the rows of ``h[T, d]``: ``weight * round(s * rsqrt(mean(s * s) + eps))``, statistics
     in float32, ``round`` to ``h``'s dtype (float32 or bfloat16), as HF's ``LlamaRMSNorm`` rounds.
 
@@ -76,11 +107,19 @@ def cpu_rms_norm(h: jax.Array, weight: jax.Array, eps: float, residual: jax.Arra
     _require_kernels()
     w_shape = layer_shape(weight, layer)
     if h.ndim != 2 or w_shape != h.shape[1:] or (residual is not None and residual.shape != h.shape):
-        raise ValueError(f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {w_shape}, "
-                         f"{None if residual is None else residual.shape}")
-    if h.dtype not in NATIVE_DTYPES or weight.dtype != h.dtype or (residual is not None and residual.dtype != h.dtype):
-        raise ValueError(f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
-                         f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}")
+        raise ValueError(
+            f"expected h[T, d], a weight [d] and a residual like h, got {h.shape}, {w_shape}, "
+            f"{None if residual is None else residual.shape}"
+        )
+    if (
+        h.dtype not in NATIVE_DTYPES
+        or weight.dtype != h.dtype
+        or (residual is not None and residual.dtype != h.dtype)
+    ):
+        raise ValueError(
+            f"the native RMSNorm takes float32 or bfloat16 h, weight and residual of one dtype, got "
+            f"{h.dtype}, {weight.dtype}, {None if residual is None else residual.dtype}"
+        )
     rows = row_count(num_rows, h.shape[0])
     out = jax.ShapeDtypeStruct(h.shape, h.dtype)
     attrs = {"eps": np.float32(eps), "layer": np.int64(layer or 0)}

@@ -57,7 +57,9 @@ QUANT_BLOCK = 32  # k rows sharing a column's scale and offset
 @functools.cache
 def native_matmul_available() -> bool:
     """Load the compiled kernel and register it with XLA (once); False if it was not built."""
-    return register_cpu_targets(_LIBRARY, {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"})
+    return register_cpu_targets(
+        _LIBRARY, {_TARGET: "JaxpagedMatmulCpu", _QUANT_TARGET: "JaxpagedMatmulQuantCpu"}
+    )
 
 
 @functools.cache
@@ -99,9 +101,10 @@ def pack_weight(w: np.ndarray, dtype) -> np.ndarray:
     out = np.empty((panels, k, PANEL), dtype)
     pairs = k // 2 if dtype == jnp.dtype(jnp.bfloat16) else 0
     # bfloat16: [P, pairs, 2 (row in pair), 32 (column)] -> [P, pairs, 32, 2]: each column's two rows adjacent.
-    out[:, :2 * pairs].reshape(panels, pairs, PANEL, 2)[...] = (
-        by_panel[:, :2 * pairs].reshape(panels, pairs, 2, PANEL).transpose(0, 1, 3, 2))
-    out[:, 2 * pairs:] = by_panel[:, 2 * pairs:]  # float32 whole; bfloat16's odd last row as it is
+    out[:, : 2 * pairs].reshape(panels, pairs, PANEL, 2)[...] = (
+        by_panel[:, : 2 * pairs].reshape(panels, pairs, 2, PANEL).transpose(0, 1, 3, 2)
+    )
+    out[:, 2 * pairs :] = by_panel[:, 2 * pairs :]  # float32 whole; bfloat16's odd last row as it is
     return out
 
 
@@ -111,25 +114,35 @@ def pack_quantized(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> 
     4-bit codes when every code is below 16). Columns past N get zero codes, scales and offsets."""
     codes, scale, offset = np.asarray(codes), np.asarray(scale, np.float32), np.asarray(offset, np.float32)
     if codes.ndim != 2 or codes.shape[0] % QUANT_BLOCK or codes.shape[0] == 0:
-        raise ValueError(f"codes must be [K, N] with K a positive multiple of {QUANT_BLOCK}, got shape {codes.shape}")
+        raise ValueError(
+            f"codes must be [K, N] with K a positive multiple of {QUANT_BLOCK}, got shape {codes.shape}"
+        )
     k, n = codes.shape
     if scale.shape != (k // QUANT_BLOCK, n) or offset.shape != scale.shape:
-        raise ValueError(f"scale and offset must be [{k // QUANT_BLOCK}, {n}] for codes {codes.shape}, got "
-                         f"{scale.shape} and {offset.shape}")
+        raise ValueError(
+            f"scale and offset must be [{k // QUANT_BLOCK}, {n}] for codes {codes.shape}, got "
+            f"{scale.shape} and {offset.shape}"
+        )
     if codes.size and (codes.min() < 0 or codes.max() > 255):
         raise ValueError("codes must lie in 0..255")
     panels = cdiv(n, PANEL)
     pad = ((0, 0), (0, panels * PANEL - n))
-    rows = np.pad(codes.astype(np.uint8), pad).reshape(k, panels, PANEL).transpose(1, 0, 2)   # [P, K, 32]
+    rows = np.pad(codes.astype(np.uint8), pad).reshape(k, panels, PANEL).transpose(1, 0, 2)  # [P, K, 32]
     if codes.size == 0 or codes.max() < 16:
-        rows = rows[..., :PANEL // 2] | (rows[..., PANEL // 2:] << 4)
-    qparams = np.stack([np.pad(scale, pad), np.pad(offset, pad)], axis=1)      # [K/32, 2, P * 32]
+        rows = rows[..., : PANEL // 2] | (rows[..., PANEL // 2 :] << 4)
+    qparams = np.stack([np.pad(scale, pad), np.pad(offset, pad)], axis=1)  # [K/32, 2, P * 32]
     qparams = qparams.reshape(k // QUANT_BLOCK, 2, panels, PANEL).transpose(2, 0, 1, 3).astype("<f4")
     return np.concatenate([rows.reshape(panels, -1), qparams.reshape(panels, -1).view(np.uint8)], axis=1)
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: jax.Array | int | None = None,
-           layer: int | None = None) -> jax.Array:
+def matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    n: int,
+    out_dtype=None,
+    num_rows: jax.Array | int | None = None,
+    layer: int | None = None,
+) -> jax.Array:
     """``x[M, K] @ w[K, n]`` for ``packed = pack_weight(w, x.dtype)``; returns ``[M, n]`` in
     ``out_dtype``: x's dtype (default), or float32 for bfloat16 x (the float32 accumulators as they
     are, unrounded: a model's logits, without a separate conversion pass).
@@ -150,8 +163,10 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     ``x`` and ``packed`` of different dtypes, on another ``out_dtype``, or on shapes that do not match.
     """
     if not native_matmul_available():
-        raise RuntimeError("the native CPU matmul kernel was not built (no C++ compiler at install time?); "
-                           "rebuild with `python setup.py build_ext --inplace`, or use jnp.dot")
+        raise RuntimeError(
+            "the native CPU matmul kernel was not built (no C++ compiler at install time?); "
+            "rebuild with `python setup.py build_ext --inplace`, or use jnp.dot"
+        )
     dtype = _checked_dtype(x.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in (dtype, jnp.dtype(jnp.float32)):
@@ -163,12 +178,16 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     quantized = jnp.dtype(packed.dtype) == jnp.dtype(jnp.uint8)
     if quantized:
         if len(weight) != 2 or k == 0 or k % QUANT_BLOCK or weight[1] not in (k * 24, k * 40):
-            raise ValueError(f"the quantized weight of shape {weight} does not fit x[M, {k}]: expected "
-                             f"[P, {k} * 24 or {k} * 40] with K a positive multiple of {QUANT_BLOCK}")
+            raise ValueError(
+                f"the quantized weight of shape {weight} does not fit x[M, {k}]: expected "
+                f"[P, {k} * 24 or {k} * 40] with K a positive multiple of {QUANT_BLOCK}"
+            )
     else:
         if jnp.dtype(packed.dtype) != dtype:
-            raise ValueError(f"x is {dtype} but the packed weight is {jnp.dtype(packed.dtype)}; pack the weight "
-                             f"with pack_weight(w, {dtype}) (casting here would copy the weight on every call)")
+            raise ValueError(
+                f"x is {dtype} but the packed weight is {jnp.dtype(packed.dtype)}; pack the weight "
+                f"with pack_weight(w, {dtype}) (casting here would copy the weight on every call)"
+            )
         if len(weight) != 3 or weight[2] != PANEL:
             raise ValueError(f"expected a packed weight [P, K, {PANEL}], got shape {weight}")
         if weight[1] != k:
@@ -176,6 +195,7 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, out_dtype=None, num_rows: ja
     if n < 0 or cdiv(n, PANEL) != weight[0]:
         raise ValueError(f"n={n} does not match the weight's {weight[0]} panels of {PANEL} columns")
     rows = row_count(num_rows, x.shape[0])
-    call = jax.ffi.ffi_call(_QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    call = jax.ffi.ffi_call(
+        _QUANT_TARGET if quantized else _TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
+    )
     return call(x, packed, rows, layer=np.int64(layer or 0))
-

@@ -32,9 +32,9 @@ def take_rows(table: jax.Array, ids: jax.Array, axis: int = 0) -> jax.Array:
 def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Store ``k, v[T, Hkv, D]`` of one layer at their flat slots; padding slots (< 0) write nothing."""
     num_blocks, bs = kv_pages.shape[2], kv_pages.shape[3]
-    blk = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // bs)   # out of range -> dropped
+    blk = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // bs)  # out of range -> dropped
     off = slot_mapping % bs
-    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)              # [T, 2, Hkv, D]
+    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)  # [T, 2, Hkv, D]
     return kv_pages.at[layer, :, blk, off].set(kv, mode="drop")
 
 

@@ -29,15 +29,15 @@ PAD_SLOT = -1
 class AttentionMetadata:
     """Per-step attention inputs (device arrays inside jit, numpy on the host)."""
 
-    slot_mapping: jax.Array        # [T] int32: block_id * block_size + offset, PAD_SLOT for padding
-    block_tables: jax.Array        # [R, W] int32: physical block ids per row (0-padded)
-    seq_lens: jax.Array            # [R] int32: context length after this step (0 = padding row)
-    query_start_loc: jax.Array     # [R + 1] int32: prefix sums of query lengths
+    slot_mapping: jax.Array  # [T] int32: block_id * block_size + offset, PAD_SLOT for padding
+    block_tables: jax.Array  # [R, W] int32: physical block ids per row (0-padded)
+    seq_lens: jax.Array  # [R] int32: context length after this step (0 = padding row)
+    query_start_loc: jax.Array  # [R + 1] int32: prefix sums of query lengths
     # Prefill tiles for the XLA backend: rows whose query has more than one token are cut
     # into tiles of ``tile_size`` tokens. Built on the host by ``build_prefill_tiles``.
-    tile_row: jax.Array            # [P] int32: row of each tile (padding tiles: 0)
-    tile_start: jax.Array          # [P] int32: flat index of the tile's first token
-    tile_len: jax.Array            # [P] int32: valid tokens in the tile (0 = padding tile)
+    tile_row: jax.Array  # [P] int32: row of each tile (padding tiles: 0)
+    tile_start: jax.Array  # [P] int32: flat index of the tile's first token
+    tile_len: jax.Array  # [P] int32: valid tokens in the tile (0 = padding tile)
     tile_size: int = field(default=1, metadata=dict(static=True))
 
     @property
@@ -50,8 +50,9 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
 
-def build_prefill_tiles(query_start_loc: np.ndarray, tile_size: int, num_tiles: int
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_prefill_tiles(
+    query_start_loc: np.ndarray, tile_size: int, num_tiles: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut every multi-token query span into tiles; pad to ``num_tiles`` (vectorized numpy)."""
     q_lens = np.diff(query_start_loc)
     rows = np.flatnonzero(q_lens > 1)

@@ -55,8 +55,8 @@ Variant = Literal["tpu", "gpu", "interpret"]
 class TileConfig:
     """Default tiling of one variant."""
 
-    q_tile: int          # query tokens per program
-    kv_tokens: int       # KV tokens per inner step: pages_per_step = max(1, kv_tokens // block_size)
+    q_tile: int  # query tokens per program
+    kv_tokens: int  # KV tokens per inner step: pages_per_step = max(1, kv_tokens // block_size)
     kv_heads: int | None  # KV heads per program (None: all); the GPU variant always uses 1
 
 
@@ -72,13 +72,21 @@ DEFAULT_TILES: dict[str, TileConfig] = {
 }
 
 
-def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array | int,
-                           md: AttentionMetadata, *, scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None,
-                           interpret: bool | pltpu.InterpretParams = False,
-                           variant: Variant | None = None, q_tile: int | None = None,
-                           pages_per_step: int | None = None,
-                           kv_heads_per_program: int | None = None) -> jax.Array:
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    variant: Variant | None = None,
+    q_tile: int | None = None,
+    pages_per_step: int | None = None,
+    kv_heads_per_program: int | None = None,
+) -> jax.Array:
     """``q[T, Hq, D]`` attends to its row's paged context; returns ``[T, Hq, D]`` in q's dtype.
 
     ``variant=None`` picks ``"interpret"`` when ``interpret`` is set and otherwise the TPU or
@@ -103,11 +111,22 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array |
         qt = q_tile or cfg.q_tile
         pps = pages_per_step or max(1, cfg.kv_tokens // bs)
         if v == "gpu":
-            return _gpu_call(q, kv_pages, layer, md, q_tile=qt, pages_per_step=pps, interpret=interp,
-                             **common)
+            return _gpu_call(
+                q, kv_pages, layer, md, q_tile=qt, pages_per_step=pps, interpret=interp, **common
+            )
         hb = kv_heads_per_program or cfg.kv_heads or Hkv
-        return _blocked_call(q, kv_pages, layer, md, q_tile=qt, pages_per_step=pps, kv_heads=hb,
-                             use_dma=v == "tpu", interpret=interp, **common)
+        return _blocked_call(
+            q,
+            kv_pages,
+            layer,
+            md,
+            q_tile=qt,
+            pages_per_step=pps,
+            kv_heads=hb,
+            use_dma=v == "tpu",
+            interpret=interp,
+            **common,
+        )
 
     if variant is not None:
         return run(variant, interpret)
@@ -120,9 +139,19 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array |
 # ----------------------------------------------------------------------------- shared math
 
 
-def _attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, m: jax.Array, denom: jax.Array,
-                  acc: jax.Array, mask: jax.Array, v_valid: jax.Array, *, scale: float,
-                  soft_cap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attend_chunk(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    m: jax.Array,
+    denom: jax.Array,
+    acc: jax.Array,
+    mask: jax.Array,
+    v_valid: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step of ``q[M, D]`` over ``k, v[K, D]``; ``m, denom[M, 1]``, ``acc[M, D]`` float32.
 
     Masked scores are -inf; a row that has seen no unmasked key keeps ``m = -inf, denom = 0,
@@ -132,8 +161,12 @@ def _attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, m: jax.Array, denom:
     dtype = jnp.promote_types(q.dtype, k.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     precision = matmul_precision(dtype)  # float32: IEEE dots in Triton (its default is TF32)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * scale
+    s = (
+        lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
@@ -143,13 +176,19 @@ def _attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, m: jax.Array, denom:
     alpha = jnp.exp(m - m_safe)
     denom_new = alpha * denom + jnp.sum(p, axis=1, keepdims=True)
     v = jnp.where(v_valid, v, jnp.zeros_like(v))
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    pv = lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     return m_new, denom_new, alpha * acc + pv
 
 
-def _token_mask(t: jax.Array, q_pos: jax.Array, k_pos: jax.Array, tok_lo, tok_hi,
-                sliding_window: int | None) -> jax.Array:
+def _token_mask(
+    t: jax.Array, q_pos: jax.Array, k_pos: jax.Array, tok_lo, tok_hi, sliding_window: int | None
+) -> jax.Array:
     """Token ``t`` (at ``q_pos``) sees ``k_pos`` if it belongs to the row being processed and causality/window allow."""
     mask = (t >= tok_lo) & (t < tok_hi) & (k_pos <= q_pos)
     if sliding_window is not None:
@@ -170,9 +209,21 @@ def _kv_range(ctx, q_end, tok_lo, tok_hi, sliding_window: int | None):
 # ------------------------------------------------------------- TPU / interpret: token blocks
 
 
-def _blocked_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pages_per_step: int,
-                  kv_heads: int, use_dma: bool, interpret: bool | pltpu.InterpretParams, scale: float,
-                  sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+def _blocked_call(
+    q,
+    kv_pages,
+    layer,
+    md: AttentionMetadata,
+    *,
+    q_tile: int,
+    pages_per_step: int,
+    kv_heads: int,
+    use_dma: bool,
+    interpret: bool | pltpu.InterpretParams,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:
     """Grid over (KV-head blocks, token blocks); see the module docstring."""
     T, Hq, D = q.shape
     _, _, _, bs, Hkv, _ = kv_pages.shape
@@ -195,19 +246,33 @@ def _blocked_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pag
 
     P = pages_per_step
     M = q_tile * G
-    scratch = [pltpu.VMEM((kv_heads, M, 128), jnp.float32),   # m, broadcast over lanes
-               pltpu.VMEM((kv_heads, M, 128), jnp.float32),   # softmax denominator
-               pltpu.VMEM((kv_heads, M, D), jnp.float32)]     # acc
+    scratch = [
+        pltpu.VMEM((kv_heads, M, 128), jnp.float32),  # m, broadcast over lanes
+        pltpu.VMEM((kv_heads, M, 128), jnp.float32),  # softmax denominator
+        pltpu.VMEM((kv_heads, M, D), jnp.float32),
+    ]  # acc
     if use_dma:
         if kv_heads != Hkv and kv_heads % 16:
-            raise ValueError("the TPU kernel DMAs whole (head, dim) tiles of a page: kv_heads_per_program "
-                             f"must be num_kv_heads or a multiple of 16, got {kv_heads}")
-        scratch += [pltpu.VMEM((2, 2, P, bs, kv_heads, D), kv_pages.dtype),  # [slot, K/V, page, ...]
-                    pltpu.SemaphoreType.DMA((2, 2))]
+            raise ValueError(
+                "the TPU kernel DMAs whole (head, dim) tiles of a page: kv_heads_per_program "
+                f"must be num_kv_heads or a multiple of 16, got {kv_heads}"
+            )
+        scratch += [
+            pltpu.VMEM((2, 2, P, bs, kv_heads, D), kv_pages.dtype),  # [slot, K/V, page, ...]
+            pltpu.SemaphoreType.DMA((2, 2)),
+        ]
     block = pl.BlockSpec((q_tile, kv_heads, G, D), lambda b, h, *_: (b, h, 0, 0))
     kernel = functools.partial(
-        _blocked_kernel, block_size=bs, pages_per_step=P, max_pages=W, group=G, use_dma=use_dma,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        _blocked_kernel,
+        block_size=bs,
+        pages_per_step=P,
+        max_pages=W,
+        group=G,
+        use_dma=use_dma,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -215,20 +280,48 @@ def _blocked_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pag
             grid=(nqb, Hkv // kv_heads),  # token blocks first: megacore splits the leading axis
             in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=block,
-            scratch_shapes=scratch),
+            scratch_shapes=scratch,
+        ),
         out_shape=jax.ShapeDtypeStruct((T, Hkv, G, D), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu" if use_dma else "ragged_paged_attention_interpret",
-    )(layer, md.block_tables.astype(jnp.int32).reshape(-1), md.seq_lens.astype(jnp.int32), qsl,
-      first, last, q.reshape(T, Hkv, G, D), kv_pages)
+    )(
+        layer,
+        md.block_tables.astype(jnp.int32).reshape(-1),
+        md.seq_lens.astype(jnp.int32),
+        qsl,
+        first,
+        last,
+        q.reshape(T, Hkv, G, D),
+        kv_pages,
+    )
     return out.reshape(T, Hq, D)
 
 
-def _blocked_kernel(layer_ref, bt_ref, lens_ref, qsl_ref, first_ref, last_ref,  # scalar prefetch
-                    q_ref, kv_ref, o_ref, m_ref, denom_ref, acc_ref, *dma_scratch,
-                    block_size: int, pages_per_step: int, max_pages: int, group: int, use_dma: bool,
-                    scale: float, sliding_window: int | None, soft_cap: float | None):
+def _blocked_kernel(
+    layer_ref,
+    bt_ref,
+    lens_ref,
+    qsl_ref,
+    first_ref,
+    last_ref,  # scalar prefetch
+    q_ref,
+    kv_ref,
+    o_ref,
+    m_ref,
+    denom_ref,
+    acc_ref,
+    *dma_scratch,
+    block_size: int,
+    pages_per_step: int,
+    max_pages: int,
+    group: int,
+    use_dma: bool,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
     q_tile, kv_heads, _, D = q_ref.shape
     bs, P, G = block_size, pages_per_step, group
     M, K = q_tile * G, pages_per_step * block_size
@@ -252,8 +345,9 @@ def _blocked_kernel(layer_ref, bt_ref, lens_ref, qsl_ref, first_ref, last_ref,  
         pg_lo = lax.div(kv_lo, bs)
         pg_hi = lax.div(kv_hi + bs - 1, bs)
         n = jnp.where((tok_lo < tok_hi) & (kv_hi > 0), lax.div(pg_hi - pg_lo + P - 1, P), 0)
-        return dict(ctx=ctx, q_end=q_end, tok_lo=tok_lo, tok_hi=tok_hi, kv_hi=kv_hi, pg_lo=pg_lo,
-                    pg_hi=pg_hi, n=n)
+        return dict(
+            ctx=ctx, q_end=q_end, tok_lo=tok_lo, tok_hi=tok_hi, kv_hi=kv_hi, pg_lo=pg_lo, pg_hi=pg_hi, n=n
+        )
 
     def skip_empty(r):
         return lax.while_loop(lambda r: (r <= last) & (plan(r)["n"] == 0), lambda r: r + 1, r)
@@ -274,15 +368,17 @@ def _blocked_kernel(layer_ref, bt_ref, lens_ref, qsl_ref, first_ref, last_ref,  
         kv_buf, sems = dma_scratch
 
         # Whole (head, dim) tiles only: Mosaic rejects DMA windows that cut a tile of the page.
-        heads = (slice(None) if kv_heads == kv_ref.shape[4]
-                 else pl.ds(pl.multiple_of(h0, kv_heads), kv_heads))
+        heads = slice(None) if kv_heads == kv_ref.shape[4] else pl.ds(pl.multiple_of(h0, kv_heads), kv_heads)
 
         def copies(r, c, slot):
             for i, (page, valid) in enumerate(page_slots(r, c)):
                 for kv in range(2):
-                    yield valid, pltpu.make_async_copy(
-                        kv_ref.at[layer, kv, page, :, heads, :],
-                        kv_buf.at[slot, kv, i], sems.at[slot, kv])
+                    yield (
+                        valid,
+                        pltpu.make_async_copy(
+                            kv_ref.at[layer, kv, page, :, heads, :], kv_buf.at[slot, kv, i], sems.at[slot, kv]
+                        ),
+                    )
 
         def start(r, c, slot):
             for valid, cp in copies(r, c, slot):
@@ -293,6 +389,7 @@ def _blocked_kernel(layer_ref, bt_ref, lens_ref, qsl_ref, first_ref, last_ref,  
                 pl.when(valid)(cp.wait)
             return lambda j, kv: kv_buf[slot, kv, :, :, j, :].reshape(K, D)
     else:
+
         def start(r, c, slot):
             del r, c, slot
 
@@ -309,14 +406,23 @@ def _blocked_kernel(layer_ref, bt_ref, lens_ref, qsl_ref, first_ref, last_ref,  
         kv_start = (p["pg_lo"] + c * P) * bs
         t = blk_lo + lax.div(lax.broadcasted_iota(jnp.int32, (M, K), 0), G)
         k_pos = kv_start + lax.broadcasted_iota(jnp.int32, (M, K), 1)
-        mask = _token_mask(t, p["ctx"] - (p["q_end"] - t), k_pos, p["tok_lo"], p["tok_hi"],
-                           sliding_window)
+        mask = _token_mask(t, p["ctx"] - (p["q_end"] - t), k_pos, p["tok_lo"], p["tok_hi"], sliding_window)
         v_valid = kv_start + lax.broadcasted_iota(jnp.int32, (K, D), 0) < p["kv_hi"]
         for j in range(kv_heads):
             k, v = get(j, 0), get(j, 1)
             qj = _fold_heads(q_ref[:, j])
-            m, denom, acc = _attend_chunk(qj, k, v, m_ref[j][:, :1], denom_ref[j][:, :1], acc_ref[j],
-                                          mask, v_valid, scale=scale, soft_cap=soft_cap)
+            m, denom, acc = _attend_chunk(
+                qj,
+                k,
+                v,
+                m_ref[j][:, :1],
+                denom_ref[j][:, :1],
+                acc_ref[j],
+                mask,
+                v_valid,
+                scale=scale,
+                soft_cap=soft_cap,
+            )
             m_ref[j] = jnp.broadcast_to(m, (M, 128))
             denom_ref[j] = jnp.broadcast_to(denom, (M, 128))
             acc_ref[j] = acc
@@ -356,9 +462,19 @@ def _fold_heads(x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------ GPU: row tiles
 
 
-def _gpu_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pages_per_step: int,
-              interpret: bool, scale: float, sliding_window: int | None,
-              soft_cap: float | None) -> jax.Array:
+def _gpu_call(
+    q,
+    kv_pages,
+    layer,
+    md: AttentionMetadata,
+    *,
+    q_tile: int,
+    pages_per_step: int,
+    interpret: bool,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:
     """Grid over (row tiles, KV heads); see the module docstring."""
     T, Hq, D = q.shape
     _, _, _, bs, Hkv, _ = kv_pages.shape
@@ -371,9 +487,17 @@ def _gpu_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pages_p
     if q_tile * Gp < 16 or P * bs < 16:
         raise ValueError("Triton dots need q_tile * next_pow2(G) >= 16 and pages_per_step * block_size >= 16")
     tiles = _row_tiles(md, T, q_tile, sliding_window, bs)
-    kernel = functools.partial(_gpu_kernel, q_tile=q_tile, block_size=bs, pages_per_step=P, group=G,
-                               group_pad=Gp, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
+    kernel = functools.partial(
+        _gpu_kernel,
+        q_tile=q_tile,
+        block_size=bs,
+        pages_per_step=P,
+        group=G,
+        group_pad=Gp,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     return pl.pallas_call(
         kernel,
         grid=(tiles.shape[0], Hkv),
@@ -384,8 +508,9 @@ def _gpu_call(q, kv_pages, layer, md: AttentionMetadata, *, q_tile: int, pages_p
     )(layer, tiles, md.block_tables.astype(jnp.int32), q, kv_pages)
 
 
-def _row_tiles(md: AttentionMetadata, T: int, q_tile: int, sliding_window: int | None,
-               block_size: int) -> jax.Array:
+def _row_tiles(
+    md: AttentionMetadata, T: int, q_tile: int, sliding_window: int | None, block_size: int
+) -> jax.Array:
     """Work list ``[num_tiles, 8]``: each row's query span cut into tiles of ``q_tile`` tokens.
 
     Columns: row, token span ``[tok_lo, tok_hi)``, the row's context length and query end, the
@@ -414,9 +539,23 @@ def _row_tiles(md: AttentionMetadata, T: int, q_tile: int, sliding_window: int |
     return jnp.stack([jnp.minimum(row, R - 1), tok_lo, tok_hi, ctx, q_end, pg_lo, pg_hi, kv_hi], axis=1)
 
 
-def _gpu_kernel(layer_ref, tiles_ref, bt_ref, q_ref, kv_ref, o_ref, *, q_tile: int, block_size: int,
-                pages_per_step: int, group: int, group_pad: int, scale: float,
-                sliding_window: int | None, soft_cap: float | None):
+def _gpu_kernel(
+    layer_ref,
+    tiles_ref,
+    bt_ref,
+    q_ref,
+    kv_ref,
+    o_ref,
+    *,
+    q_tile: int,
+    block_size: int,
+    pages_per_step: int,
+    group: int,
+    group_pad: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
     i, h = pl.program_id(0), pl.program_id(1)
     row, tok_lo, tok_hi, ctx, q_end, pg_lo, pg_hi, kv_hi = (tiles_ref[i, f] for f in range(8))
     bs, P, G, Gp = block_size, pages_per_step, group, group_pad
@@ -442,11 +581,13 @@ def _gpu_kernel(layer_ref, tiles_ref, bt_ref, q_ref, kv_ref, o_ref, *, q_tile: i
             k_pos = kv_start + lax.broadcasted_iota(jnp.int32, (M, K), 1)
             mask = _token_mask(t, q_pos, k_pos, tok_lo, tok_hi, sliding_window)
             v_valid = kv_start + lax.broadcasted_iota(jnp.int32, (K, D), 0) < kv_hi
-            return _attend_chunk(q, k, v, *carry, mask, v_valid, scale=scale,
-                                 soft_cap=soft_cap)
+            return _attend_chunk(q, k, v, *carry, mask, v_valid, scale=scale, soft_cap=soft_cap)
 
-        init = (jnp.full((M, 1), -jnp.inf, jnp.float32), jnp.zeros((M, 1), jnp.float32),
-                jnp.zeros((M, D), jnp.float32))
+        init = (
+            jnp.full((M, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((M, 1), jnp.float32),
+            jnp.zeros((M, D), jnp.float32),
+        )
         _, denom, acc = lax.fori_loop(0, lax.div(pg_hi - pg_lo + P - 1, P), body, init)
         out = (acc / jnp.where(denom == 0.0, 1.0, denom)).reshape(qt, Gp, D)
         pltriton.store(o_ref.at[view], out.astype(o_ref.dtype), mask=io_mask)

@@ -27,8 +27,8 @@ from jaxpaged.kernels.metadata import AttentionMetadata
 TP_AXIS = "tp"
 """The mesh axis that tensor parallelism splits heads (and the vocabulary, the MLP width) over."""
 
-HEADS = P(None, TP_AXIS, None)                       # q / attention output [T, H, D]
-KV_PAGES = P(None, None, None, None, TP_AXIS, None)   # [L, 2, blocks, block_size, Hkv, D]
+HEADS = P(None, TP_AXIS, None)  # q / attention output [T, H, D]
+KV_PAGES = P(None, None, None, None, TP_AXIS, None)  # [L, 2, blocks, block_size, Hkv, D]
 
 
 def tp_size(mesh: Any) -> int:
@@ -52,23 +52,35 @@ def split_fused(x: jax.Array, sizes: Sequence[int], mesh: Any = None) -> tuple[j
     per_shard = jax.lax.with_sharding_constraint(per_shard, NamedSharding(mesh, spec))
     local = jnp.split(per_shard, [b // n for b in bounds], axis=-1)
     flat = P(*([None] * len(lead)), TP_AXIS)
-    return tuple(jax.lax.with_sharding_constraint(part.reshape(*lead, s), NamedSharding(mesh, flat))
-                 for part, s in zip(local, sizes))
+    return tuple(
+        jax.lax.with_sharding_constraint(part.reshape(*lead, s), NamedSharding(mesh, flat))
+        for part, s in zip(local, sizes)
+    )
 
 
-def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, backend: str,
-             mesh: Any = None) -> jax.Array:
+def write_kv(
+    kv_pages: jax.Array,
+    layer,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    backend: str,
+    mesh: Any = None,
+) -> jax.Array:
     """``jaxpaged.kernels.dispatch.write_kv`` (same arguments), per head shard when ``mesh`` is given:
     each device stores its own kv heads into its own slice of the page array."""
     write = functools.partial(dispatch.write_kv, backend=backend)
     if mesh is None:
         return write(kv_pages, layer, k, v, slot_mapping)
-    return jax.shard_map(write, mesh=mesh, in_specs=(KV_PAGES, P(), HEADS, HEADS, P()), out_specs=KV_PAGES,
-                         check_vma=False)(kv_pages, layer, k, v, slot_mapping)
+    return jax.shard_map(
+        write, mesh=mesh, in_specs=(KV_PAGES, P(), HEADS, HEADS, P()), out_specs=KV_PAGES, check_vma=False
+    )(kv_pages, layer, k, v, slot_mapping)
 
 
-def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, mesh: Any = None,
-                    **kwargs) -> jax.Array:
+def paged_attention(
+    q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *, mesh: Any = None, **kwargs
+) -> jax.Array:
     """``jaxpaged.kernels.paged_attention`` (same arguments), run per head shard when ``mesh`` is given:
     ``q[T, Hq, D]`` and the pages' kv-head axis split over ``tp``, metadata replicated."""
     if mesh is None:
@@ -78,5 +90,6 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetad
         return dispatch.paged_attention(q, kv_pages, layer, md, **kwargs)
 
     # check_vma=False: backends may be custom calls (Pallas, FFI) that carry no varying-axis types.
-    return jax.shard_map(local, mesh=mesh, in_specs=(HEADS, KV_PAGES, P(), P()), out_specs=HEADS,
-                         check_vma=False)(q, kv_pages, layer, md)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(HEADS, KV_PAGES, P(), P()), out_specs=HEADS, check_vma=False
+    )(q, kv_pages, layer, md)

@@ -24,25 +24,35 @@ def _gather_pages(kv_pages: jax.Array, layer, block_tables: jax.Array):
     return k, v
 
 
-def xla_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
-                        scale: float, sliding_window: int | None = None,
-                        soft_cap: float | None = None) -> jax.Array:
+def xla_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    layer,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
     T, Hq, D = q.shape
     Hkv = kv_pages.shape[4]
     G = Hq // Hkv
     qsl, seq_lens = md.query_start_loc, md.seq_lens
     R = seq_lens.shape[0]
     q_lens = qsl[1:] - qsl[:-1]
-    out = jnp.zeros((T + 1, Hq, D), jnp.float32)   # one spare row absorbs dropped writes
+    out = jnp.zeros((T + 1, Hq, D), jnp.float32)  # one spare row absorbs dropped writes
 
     # Decode pass: the last query token of every row.
     last = jnp.maximum(qsl[1:] - 1, 0)
     k, v = _gather_pages(kv_pages, layer, md.block_tables)
     k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
     q_pos = seq_lens - 1
-    mask = attention_mask(q_pos[:, None], k_pos[None, :], sliding_window) & (k_pos[None, :] < seq_lens[:, None])
-    dec = softmax_attention(q[last].reshape(R, 1, Hkv, G, D), k, v, mask[:, None, :],
-                            scale=scale, soft_cap=soft_cap).reshape(R, Hq, D)
+    mask = attention_mask(q_pos[:, None], k_pos[None, :], sliding_window) & (
+        k_pos[None, :] < seq_lens[:, None]
+    )
+    dec = softmax_attention(
+        q[last].reshape(R, 1, Hkv, G, D), k, v, mask[:, None, :], scale=scale, soft_cap=soft_cap
+    ).reshape(R, Hq, D)
     dec_dst = jnp.where(q_lens == 1, last, T)
     out = out.at[dec_dst].set(dec)
 
@@ -50,14 +60,15 @@ def xla_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     P, Qt = md.tile_row.shape[0], md.tile_size
     if P:
         rows = md.tile_row
-        idx = md.tile_start[:, None] + jnp.arange(Qt, dtype=jnp.int32)[None, :]        # [P, Qt]
+        idx = md.tile_start[:, None] + jnp.arange(Qt, dtype=jnp.int32)[None, :]  # [P, Qt]
         tok_valid = jnp.arange(Qt)[None, :] < md.tile_len[:, None]
         idx_c = jnp.where(tok_valid, idx, 0)
         k, v = _gather_pages(kv_pages, layer, md.block_tables[rows])
-        q_pos = seq_lens[rows][:, None] - (qsl[rows + 1][:, None] - idx)                # [P, Qt]
+        q_pos = seq_lens[rows][:, None] - (qsl[rows + 1][:, None] - idx)  # [P, Qt]
         mask = attention_mask(q_pos[:, :, None], k_pos[None, None, :], sliding_window)
         mask &= (k_pos[None, None, :] < seq_lens[rows][:, None, None]) & tok_valid[:, :, None]
-        pre = softmax_attention(q[idx_c].reshape(P, Qt, Hkv, G, D), k, v, mask,
-                                scale=scale, soft_cap=soft_cap).reshape(P, Qt, Hq, D)
+        pre = softmax_attention(
+            q[idx_c].reshape(P, Qt, Hkv, G, D), k, v, mask, scale=scale, soft_cap=soft_cap
+        ).reshape(P, Qt, Hq, D)
         out = out.at[jnp.where(tok_valid, idx, T)].set(pre)
     return out[:T].astype(q.dtype)

@@ -32,11 +32,28 @@ from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.param_errors import excerpt
 from jaxpaged.server.errors import APIError, install_error_handlers
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                             ModelCard, ModelList, RequestModel, TokenizeChatRequest, TokenizeCompletionRequest,
-                             TokenizerInfoResponse, TokenizeResponse, VersionResponse)
-from jaxpaged.server.serving import (ClientDisconnected, EventStream, OpenAIServing, RequestLog, ServerLimits,
-                                     shutting_down_error)
+from jaxpaged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    RequestModel,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizerInfoResponse,
+    TokenizeResponse,
+    VersionResponse,
+)
+from jaxpaged.server.serving import (
+    ClientDisconnected,
+    EventStream,
+    OpenAIServing,
+    RequestLog,
+    ServerLimits,
+    shutting_down_error,
+)
 from jaxpaged.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxpaged.server")
@@ -82,10 +99,10 @@ class BodySizeLimit:
         if length is not None and int(length) > self.max_bytes:
             return await self._refuse(scope, receive, send)
         if length is not None or b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
-            return await self.app(scope, receive, send)     # (h11 reads exactly Content-Length bytes, or none)
+            return await self.app(scope, receive, send)  # (h11 reads exactly Content-Length bytes, or none)
         body = await self._read_chunked(receive)
         if body is None:
-            return                                          # the client left
+            return  # the client left
         if len(body) > self.max_bytes:
             return await self._refuse(scope, receive, send)
         pending: Message | None = {"type": "http.request", "body": body, "more_body": False}
@@ -111,8 +128,12 @@ class BodySizeLimit:
         return b"".join(chunks)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"The request body is larger than {self.max_bytes} bytes, the server's limit "
-                              f"(--max-request-body-bytes); send less.", code="request_too_large")
+        error = APIError(
+            413,
+            f"The request body is larger than {self.max_bytes} bytes, the server's limit "
+            f"(--max-request-body-bytes); send less.",
+            code="request_too_large",
+        )
         await error.to_response()(scope, receive, send)
 
 
@@ -125,7 +146,7 @@ class RefuseWhileDraining:
         self.serving = serving
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")[len(scope.get("root_path", "")):]
+        path = scope.get("path", "")[len(scope.get("root_path", "")) :]
         if scope["type"] == "http" and self.serving.draining and path != "/metrics":
             return await shutting_down_error().to_response()(scope, receive, send)
         await self.app(scope, receive, send)
@@ -152,8 +173,12 @@ class GracefulServer(uvicorn.Server):
         if self._deadline is None:
             self._deadline = time.monotonic() + self.shutdown_timeout
             self._serving.draining = True
-            logger.info("shutting down: refusing new requests, draining %d for up to %g s (a second signal "
-                        "exits at once)", self._serving.num_in_flight, self.shutdown_timeout)
+            logger.info(
+                "shutting down: refusing new requests, draining %d for up to %g s (a second signal "
+                "exits at once)",
+                self._serving.num_in_flight,
+                self.shutdown_timeout,
+            )
         else:
             self.should_exit = self.force_exit = True
 
@@ -166,8 +191,11 @@ class GracefulServer(uvicorn.Server):
                 self.should_exit = True
             elif now >= self._deadline and self._exit_at is None:
                 self._exit_at = now + EXIT_GRACE
-                logger.warning("%d requests still in flight after %g s: ending them", self._serving.num_in_flight,
-                               self.shutdown_timeout)
+                logger.warning(
+                    "%d requests still in flight after %g s: ending them",
+                    self._serving.num_in_flight,
+                    self.shutdown_timeout,
+                )
                 await asyncio.to_thread(self.engine.shutdown)
         return await super().on_tick(counter)
 
@@ -176,18 +204,29 @@ def warn_ignored_fields(body: RequestModel) -> None:
     """One warning naming the fields of ``body`` that were ignored (vLLM's rule: served, not refused)."""
     ignored = body.ignored_fields()
     if ignored:
-        logger.warning("The following fields were present in the request but ignored: %s", excerpt(sorted(ignored)))
+        logger.warning(
+            "The following fields were present in the request but ignored: %s", excerpt(sorted(ignored))
+        )
 
 
 def _api_key_checker(api_key: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "Incorrect API key provided.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     return check
 
 
@@ -202,11 +241,20 @@ class CORSOptions:
     allow_credentials: bool = False
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], api_key: str | None = None,
-              log_prompts: bool = False, *, log_requests: bool = True, max_log_len: int | None = None,
-              chat_template: str | None = None, cors: CORSOptions = CORSOptions(),
-              limits: ServerLimits = ServerLimits(), also_jaxpaged_metric_names: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_name: str | Sequence[str],
+    api_key: str | None = None,
+    log_prompts: bool = False,
+    *,
+    log_requests: bool = True,
+    max_log_len: int | None = None,
+    chat_template: str | None = None,
+    cors: CORSOptions = CORSOptions(),
+    limits: ServerLimits = ServerLimits(),
+    also_jaxpaged_metric_names: bool = False,
+    tool_call_parser: str | None = None,
+) -> FastAPI:
     """The app serving ``engine`` under ``served_model_name`` (or several names: requests may use any,
     responses and metrics report the first); the caller owns the engine (starts it before serving,
     shuts it down after). ``log_requests``, ``log_prompts``, ``max_log_len``: see ``RequestLog``;
@@ -221,15 +269,26 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | Sequence[str], ap
     app = FastAPI(title="jaxpaged", summary="OpenAI-compatible LLM server on JAX")
     metrics = ServerMetrics(engine, names[0], also_jaxpaged_metric_names)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
-    serving = OpenAIServing(engine, names, metrics, RequestLog(log_requests, log_prompts, max_log_len), chat_template,
-                            limits, parser)
+    serving = OpenAIServing(
+        engine,
+        names,
+        metrics,
+        RequestLog(log_requests, log_prompts, max_log_len),
+        chat_template,
+        limits,
+        parser,
+    )
     app.state.serving = serving
     # Added first, so inside CORS: a 413 or 503 carries its headers, as a browser needs to read it.
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     app.add_middleware(RefuseWhileDraining, serving=serving)
-    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
-                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
-                       allow_credentials=cors.allow_credentials)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors.allowed_origins),
+        allow_methods=list(cors.allowed_methods),
+        allow_headers=list(cors.allowed_headers),
+        allow_credentials=cors.allow_credentials,
+    )
     install_error_handlers(app)
     guarded = APIRouter(dependencies=[Depends(_api_key_checker(api_key))] if api_key else [])
 

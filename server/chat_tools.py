@@ -13,8 +13,14 @@ import dataclasses
 import json
 
 from jaxpaged.server import tool_parsers
-from jaxpaged.server.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                      ResponseFunctionCall, ResponseToolCall)
+from jaxpaged.server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
+)
 from jaxpaged.server.tool_parsers import ToolParser, make_tool_call_id
 
 
@@ -33,8 +39,8 @@ class ChoiceTools:
         self.mode = body.effective_tool_choice
         self._name = body.named_tool.function.name if self.mode == "named" else None
         self._parser = parser() if self.mode == "auto" else None
-        self._held: list[str] = []          # "required": the JSON list, sent once whole
-        self._call_id: str | None = None    # named: the one call's id, once its first piece is sent
+        self._held: list[str] = []  # "required": the JSON list, sent once whole
+        self._call_id: str | None = None  # named: the one call's id, once its first piece is sent
         self._called = False
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -52,12 +58,23 @@ class ChoiceTools:
         if self.mode == "required":
             calls = _required_calls(text)
             self._called = calls is not None
-            return ToolAnswer(None, [_call(make_tool_call_id(), n, a) for n, a in calls]) if calls else \
-                ToolAnswer(text, [])
+            return (
+                ToolAnswer(None, [_call(make_tool_call_id(), n, a) for n, a in calls])
+                if calls
+                else ToolAnswer(text, [])
+            )
         found = self._parser.extract_tool_calls(text)
         self._called = found.tools_called
-        return ToolAnswer(found.content, [ResponseToolCall(id=c.id, function=ResponseFunctionCall(
-            name=c.function.name, arguments=c.function.arguments)) for c in found.tool_calls])
+        return ToolAnswer(
+            found.content,
+            [
+                ResponseToolCall(
+                    id=c.id,
+                    function=ResponseFunctionCall(name=c.function.name, arguments=c.function.arguments),
+                )
+                for c in found.tool_calls
+            ],
+        )
 
     def delta(self, text: str) -> DeltaMessage | None:
         """What a stream sends for the choice's next ``text``, or None."""
@@ -67,9 +84,16 @@ class ChoiceTools:
             first = self._call_id is None
             self._call_id = self._call_id or make_tool_call_id()
             self._called = True
-            return DeltaMessage(tool_calls=[DeltaToolCall(
-                index=0, id=self._call_id if first else None, type="function" if first else None,
-                function=DeltaFunctionCall(name=self._name if first else None, arguments=text))])
+            return DeltaMessage(
+                tool_calls=[
+                    DeltaToolCall(
+                        index=0,
+                        id=self._call_id if first else None,
+                        type="function" if first else None,
+                        function=DeltaFunctionCall(name=self._name if first else None, arguments=text),
+                    )
+                ]
+            )
         if self.mode == "required":
             self._held.append(text)
             return None
@@ -87,9 +111,15 @@ class ChoiceTools:
             self._called = True
             pieces = []
             for i, (name, arguments) in enumerate(calls):
-                pieces += [DeltaToolCall(index=i, id=make_tool_call_id(), type="function",
-                                         function=DeltaFunctionCall(name=name, arguments="")),
-                           DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=arguments))]
+                pieces += [
+                    DeltaToolCall(
+                        index=i,
+                        id=make_tool_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=name, arguments=""),
+                    ),
+                    DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=arguments)),
+                ]
             return DeltaMessage(tool_calls=pieces)
         delta = _from_parser(self._parser.finish())
         self._called = self._parser.tools_called
@@ -107,8 +137,14 @@ def _required_calls(text: str) -> list[tuple[str, str]] | None:
         calls = json.loads(text)
     except ValueError:
         return None
-    if not (isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
-                                                      and isinstance(c.get("parameters"), dict) for c in calls)):
+    if not (
+        isinstance(calls, list)
+        and calls
+        and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
+            for c in calls
+        )
+    ):
         return None
     return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
 
@@ -116,7 +152,16 @@ def _required_calls(text: str) -> list[tuple[str, str]] | None:
 def _from_parser(delta: tool_parsers.DeltaMessage | None) -> DeltaMessage | None:
     if delta is None or (delta.content is None and not delta.tool_calls):
         return None
-    return DeltaMessage(content=delta.content, tool_calls=[
-        DeltaToolCall(index=c.index, id=c.id, type=c.type,
-                      function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-        for c in delta.tool_calls] or None)
+    return DeltaMessage(
+        content=delta.content,
+        tool_calls=[
+            DeltaToolCall(
+                index=c.index,
+                id=c.id,
+                type=c.type,
+                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+            )
+            for c in delta.tool_calls
+        ]
+        or None,
+    )

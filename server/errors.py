@@ -29,22 +29,32 @@ def _safe(text: str) -> str:
 class APIError(Exception):
     """An error response: HTTP status plus OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         message = _safe(message)
         super().__init__(message)
         self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=None if param is None else _safe(param), code=code)
+        self.info = ErrorInfo(
+            message=message, type=type, param=None if param is None else _safe(param), code=code
+        )
         self.headers = headers
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
-                            headers=self.headers)
+        return JSONResponse(
+            ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=self.headers
+        )
 
     @classmethod
-    def from_engine(cls, error: ValueError | EngineOverloadedError | EngineDeadError | RequestFailedError
-                    ) -> APIError:
+    def from_engine(
+        cls, error: ValueError | EngineOverloadedError | EngineDeadError | RequestFailedError
+    ) -> APIError:
         """The response for an error the engine raised on a request's behalf: a request it failed to
         process is a 500 (vLLM's), the others go on; a dead engine is a 503 for everyone."""
         if isinstance(error, ValueError):
@@ -62,12 +72,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     # Our own checks (a value error) say more than a union's other members (``prompt`` as a list of ids).
     err = next((e for e in errors if e["type"] == "value_error"), errors[0])
-    loc = [str(part) for part in err["loc"][1:]]            # drop the leading "body"
+    loc = [str(part) for part in err["loc"][1:]]  # drop the leading "body"
     if err["type"] == "json_invalid":
         return APIError(400, "The request body is not valid JSON.")
     message = err["msg"].removeprefix("Value error, ")
     names = [part for part in loc if _names_field(part)]
-    return APIError(400, f"{'.'.join(names)}: {message}" if names else message, param=names[0] if names else None)
+    return APIError(
+        400, f"{'.'.join(names)}: {message}" if names else message, param=names[0] if names else None
+    )
 
 
 def _names_field(part: str) -> bool:
@@ -92,5 +104,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, "The server had an error while processing the request.",
-                        type="server_error").to_response()
+        return APIError(
+            500, "The server had an error while processing the request.", type="server_error"
+        ).to_response()

@@ -27,7 +27,7 @@ from jaxpaged import step_stats
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.request import RequestOutput
 
-disable_created_metrics()           # no "*_created" timestamp series next to each counter (as vLLM)
+disable_created_metrics()  # no "*_created" timestamp series next to each counter (as vLLM)
 
 ENGINE = "0"
 """vLLM's ``engine`` label, the engine's index: a server has one (a data-parallel one's replicas count together)."""
@@ -36,10 +36,53 @@ _FINISH_REASONS = ("stop", "length", "abort", "error")
 """Finish reasons whose ``request_success`` series exist from the start (vLLM creates them all up front)."""
 
 # vLLM's bucket bounds (vllm/v1/metrics/buckets.py, vLLM 0.33.0); its per-step ones are in jaxpaged.step_stats.
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
-TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                               10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
@@ -54,20 +97,31 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
-def _histogram_family(name: str, doc: str, labels: list[str], h: step_stats.Histogram) -> HistogramMetricFamily:
+def _histogram_family(
+    name: str, doc: str, labels: list[str], h: step_stats.Histogram
+) -> HistogramMetricFamily:
     cumulative = list(itertools.accumulate(h.counts))
     family = HistogramMetricFamily(name, doc, labels=_LABELS)
-    family.add_metric(labels, [(floatToGoString(b), c) for b, c in zip(h.bounds, cumulative)]
-                      + [("+Inf", cumulative[-1])], h.total)
+    family.add_metric(
+        labels,
+        [(floatToGoString(b), c) for b, c in zip(h.bounds, cumulative)] + [("+Inf", cumulative[-1])],
+        h.total,
+    )
     return family
 
 
 def _cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
     """vLLM's ``cache_config_info`` labels: the KV cache's configuration, under vLLM's names."""
     cc, info = engine.engine.config.cache, engine.engine.cache_info
-    labels = {"block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
-              "gpu_memory_utilization": cc.gpu_memory_utilization, "kv_cache_memory_bytes": cc.kv_cache_memory,
-              "num_gpu_blocks": info.num_blocks, "num_gpu_blocks_override": cc.num_blocks_override, "engine": ENGINE}
+    labels = {
+        "block_size": cc.block_size,
+        "enable_prefix_caching": cc.enable_prefix_caching,
+        "gpu_memory_utilization": cc.gpu_memory_utilization,
+        "kv_cache_memory_bytes": cc.kv_cache_memory,
+        "num_gpu_blocks": info.num_blocks,
+        "num_gpu_blocks_override": cc.num_blocks_override,
+        "engine": ENGINE,
+    }
     return {k: str(v) for k, v in labels.items()}
 
 
@@ -82,26 +136,61 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s, labels = self._engine.stats, self._labels
         for family, name, doc, value in [
-            (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.",
-             s.num_running),
-            (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-            (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             s.prefix_cache_queries),
-            (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             s.prefix_cache_hits),
-            (CounterMetricFamily, "num_preemptions", "Cumulative number of preemption from the engine.",
-             s.num_preemptions),
+            (
+                GaugeMetricFamily,
+                "num_requests_running",
+                "Number of requests in model execution batches.",
+                s.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                s.num_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                s.kv_cache_usage,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits,
+            ),
+            (
+                CounterMetricFamily,
+                "num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                s.num_preemptions,
+            ),
         ]:
             metric = family(name, doc, labels=_LABELS)
             metric.add_metric(labels, value)
             yield metric
-        yield _histogram_family("iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
-                                s.steps.iteration_tokens)
-        yield _histogram_family("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
-                                s.steps.inter_token_latency)
-        info = GaugeMetricFamily("cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=list(self._cache_config))
+        yield _histogram_family(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels,
+            s.steps.iteration_tokens,
+        )
+        yield _histogram_family(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            s.steps.inter_token_latency,
+        )
+        info = GaugeMetricFamily(
+            "cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self._cache_config)
+        )
         info.add_metric(list(self._cache_config.values()), 1)
         yield info
 
@@ -117,7 +206,11 @@ class _JaxpagedEngineCollector(Collector):
         s = self._engine.stats
         for name, doc, value in [
             ("kv_cache_free_blocks", "KV-cache blocks in the free pool.", s.num_free_blocks),
-            ("kv_cache_usable_blocks", "KV-cache blocks in the pool (excluding the null block).", s.num_usable_blocks),
+            (
+                "kv_cache_usable_blocks",
+                "KV-cache blocks in the pool (excluding the null block).",
+                s.num_usable_blocks,
+            ),
             ("engine_alive", "1 while the engine loop runs, 0 once it has died.", int(s.alive)),
         ]:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -143,11 +236,15 @@ class _Prefixed(Collector):
 class ServerMetrics:
     """The app's registry and the per-request metrics recorded into it."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, also_jaxpaged_metric_names: bool = False) -> None:
-        vllm = CollectorRegistry()          # vLLM's metrics, without their prefix
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, also_jaxpaged_metric_names: bool = False
+    ) -> None:
+        vllm = CollectorRegistry()  # vLLM's metrics, without their prefix
         vllm.register(_EngineCollector(engine, model_name))
         self.registry = CollectorRegistry()
-        self.registry.register(_Prefixed(vllm, ["vllm:", "jaxpaged:"] if also_jaxpaged_metric_names else ["vllm:"]))
+        self.registry.register(
+            _Prefixed(vllm, ["vllm:", "jaxpaged:"] if also_jaxpaged_metric_names else ["vllm:"])
+        )
         self.registry.register(_Prefixed(_JaxpagedEngineCollector(engine, model_name), ["jaxpaged:"]))
         self._labels = labels = [model_name, ENGINE]
 
@@ -159,32 +256,53 @@ class ServerMetrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self._success = Counter("request_success", "Count of successfully processed requests.",
-                                _LABELS + ["finished_reason"], registry=vllm)
+        self._success = Counter(
+            "request_success",
+            "Count of successfully processed requests.",
+            _LABELS + ["finished_reason"],
+            registry=vllm,
+        )
         for reason in _FINISH_REASONS:
             self._success.labels(*labels, reason)
         tokens = request_tokens_buckets(engine.max_model_len)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Number of generation tokens processed.", tokens)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
         self.request_max_num_generation_tokens = histogram(
-            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", tokens)
-        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.",
-                                          REQUEST_PARAMS_N_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TIME_TO_FIRST_TOKEN_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.",
-                              step_stats.INTER_TOKEN_LATENCY_BUCKETS)
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            step_stats.INTER_TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
-            histogram(name, doc, REQUEST_LATENCY_BUCKETS) for name, doc in [
+            histogram(name, doc, REQUEST_LATENCY_BUCKETS)
+            for name, doc in [
                 ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
                 ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
                 ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
                 ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
-                ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.")])
+                ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
+            ]
+        )
 
-    def record(self, num_prompt_tokens: int, last: RequestOutput | None, num_output_tokens: dict[int, int]) -> None:
+    def record(
+        self, num_prompt_tokens: int, last: RequestOutput | None, num_output_tokens: dict[int, int]
+    ) -> None:
         """Count one ended engine request; ``last`` is its newest output (None if it produced none),
         ``num_output_tokens`` the tokens of each of its samples (outputs may be deltas). Only a finished
         request has its histograms observed (an aborted one counts in the counters, as "abort")."""
@@ -202,8 +320,12 @@ class ServerMetrics:
         self.request_max_num_generation_tokens.observe(longest)
         self.request_params_n.observe(len(last.outputs))
         t = last.metrics
-        arrival, scheduled, first, end = (t["arrival_time"], t["first_scheduled_time"], t["first_token_time"],
-                                          t["finished_time"])
+        arrival, scheduled, first, end = (
+            t["arrival_time"],
+            t["first_scheduled_time"],
+            t["first_token_time"],
+            t["finished_time"],
+        )
         self.e2e.observe(end - arrival)
         self.queue_time.observe(scheduled - arrival)
         self.ttft.observe(first - arrival)

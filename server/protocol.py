@@ -18,8 +18,19 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
-                      ValidationInfo, model_serializer, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
 
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, is_unicode
 
@@ -54,10 +65,26 @@ Unsupported = Annotated[Any, AfterValidator(_refuse)] | None
 """A known field this server does not implement: null or absent, else a 400."""
 
 
-_PASS_THROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "best_of", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
-                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens")
+_PASS_THROUGH = (
+    "n",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "best_of",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 """Request fields named as in ``SamplingParams`` and passed to it unchanged when set."""
 
 
@@ -87,7 +114,9 @@ def _nested_models(value: Any, path: str) -> Iterator[tuple[str, RequestModel]]:
 
 class StreamOptions(RequestModel):
     include_usage: Bool = False
-    continuous_usage_stats: Bool = Field(False, description="With include_usage, usage on every chunk (vLLM's).")
+    continuous_usage_stats: Bool = Field(
+        False, description="With include_usage, usage on every chunk (vLLM's)."
+    )
 
 
 class JSONSchemaFormat(RequestModel):
@@ -113,10 +142,14 @@ class ResponseFormat(RequestModel):
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('response_format.json_schema is required with type "json_schema", and only with it.')
+            raise ValueError(
+                'response_format.json_schema is required with type "json_schema", and only with it.'
+            )
         if (self.type == "structural_tag") != (self.structures is not None and self.triggers is not None):
-            raise ValueError('response_format.structures and .triggers are required with type "structural_tag", '
-                             'and only with it.')
+            raise ValueError(
+                'response_format.structures and .triggers are required with type "structural_tag", '
+                "and only with it."
+            )
         return self
 
 
@@ -146,7 +179,7 @@ class SamplingRequest(RequestModel):
     n: Int = Field(1, ge=1, le=MAX_N)
     temperature: Number | None = None
     top_p: Number | None = None
-    seed: Int | None = Field(None, ge=-2**63, lt=2**63)
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: Text | list[Text] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
@@ -163,13 +196,17 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: Bool | None = None
     spaces_between_special_tokens: Bool | None = None
     cache_salt: Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)] | None = Field(
-        None, description="Only requests with the same salt share prefix-cache blocks (vLLM's parameter).")
-    priority: Int = Field(0, description="Lower runs sooner, with --scheduling-policy priority; else 0 "
-                                         "(vLLM's parameter).")
+        None, description="Only requests with the same salt share prefix-cache blocks (vLLM's parameter)."
+    )
+    priority: Int = Field(
+        0, description="Lower runs sooner, with --scheduling-policy priority; else 0 (vLLM's parameter)."
+    )
     # Structured outputs (``server.structured_requests`` turns them into one ``StructuredOutputsParams``):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: Text | dict[Text, Any] | None = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_json: Text | dict[Text, Any] | None = Field(
+        None, description="vLLM's older name of structured_outputs.json."
+    )
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
@@ -196,8 +233,13 @@ class SamplingRequest(RequestModel):
         and ``resolved`` (values the endpoint derived, passed even when None); ``ValueError`` if invalid.
         A default ``max_tokens`` (the model's ``max_new_tokens``) also caps the endpoint's, as in vLLM."""
         kwargs = {name: value for name, value in defaults.items() if name in _PASS_THROUGH}
-        kwargs.update({name: getattr(self, name) for name in _PASS_THROUGH
-                       if name in self.model_fields_set and getattr(self, name) is not None})
+        kwargs.update(
+            {
+                name: getattr(self, name)
+                for name in _PASS_THROUGH
+                if name in self.model_fields_set and getattr(self, name) is not None
+            }
+        )
         limit = defaults.get("max_tokens")
         if limit is not None:
             requested = resolved.get("max_tokens")
@@ -210,7 +252,9 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing.")
+    max_tokens: Int | None = Field(
+        16, ge=0, description="0 only with echo: score the prompt, generate nothing."
+    )
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
     suffix: Unsupported = None
@@ -265,19 +309,28 @@ class ChatMessage(RequestModel):
     def to_template_dict(self) -> dict[str, Any]:
         """The message as a chat template sees it (OpenAI's ``developer`` role is ``system``); a tool call's
         arguments as a dict (templates write them as JSON themselves, as vLLM passes them)."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        content = (
+            self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        )
         # Null content (an assistant message that only calls tools) is "" to the template: simple templates
         # concatenate it, tool-aware ones test it.
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": content or ""}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": _json_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _json_arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return message
 
 
@@ -319,10 +372,13 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
-    chat_template_kwargs: dict[Text, Any] | None = Field(None, description="Extra chat template variables (vLLM's).")
+    chat_template_kwargs: dict[Text, Any] | None = Field(
+        None, description="Extra chat template variables (vLLM's)."
+    )
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description='Default: "auto" with tools, else "none".')
+        None, description='Default: "auto" with tools, else "none".'
+    )
     parallel_tool_calls: Bool = True
     functions: Unsupported = None
     function_call: Unsupported = None
@@ -336,16 +392,20 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}"
-                             " needs tools.")
+            raise ValueError(
+                f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}"
+                " needs tools."
+            )
         if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool is None:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in "
-                             f"tools ({', '.join(repr(t.function.name) for t in self.tools)}).")
+            raise ValueError(
+                f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in "
+                f"tools ({', '.join(repr(t.function.name) for t in self.tools)})."
+            )
         return self
 
     @property
     def effective_tool_choice(self) -> str:
-        """"none", "auto", "required" or "named": OpenAI's default is "auto" when tools are given."""
+        """ "none", "auto", "required" or "named": OpenAI's default is "auto" when tools are given."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or ("auto" if self.tools else "none")

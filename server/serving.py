@@ -30,19 +30,43 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
 
-from jaxpaged.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestFailedError,
-                                   RequestStream)
+from jaxpaged.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestStream,
+)
 from jaxpaged.request import CompletionOutput, Request, RequestOutput, TokenLogprobs
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.chat_tools import ChoiceTools
 from jaxpaged.server.errors import APIError
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
-                             ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatResponseMessage,
-                             ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, DeltaMessage, DetokenizeRequest, ErrorResponse, SamplingRequest,
-                             TokenizeChatRequest, TokenizeCompletionRequest, TokenizerInfoResponse, Tool, TopLogprob,
-                             UsageInfo)
+from jaxpaged.server.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    ErrorResponse,
+    SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizerInfoResponse,
+    Tool,
+    TopLogprob,
+    UsageInfo,
+)
 from jaxpaged.server.structured_requests import constraint_field, structured_outputs_of
 from jaxpaged.server.tool_parsers import ToolParser
 from jaxpaged.tokenizer import GIL_HELD_CHARS
@@ -76,8 +100,12 @@ class ServerLimits:
 
 def shutting_down_error() -> APIError:
     """The answer to a request that arrives while the server drains (``app.GracefulServer``)."""
-    return APIError(503, "The server is shutting down; send the request to another replica.",
-                    type="server_error", code="shutting_down")
+    return APIError(
+        503,
+        "The server is shutting down; send the request to another replica.",
+        type="server_error",
+        code="shutting_down",
+    )
 
 
 def _named_param(error: ValueError, body: SamplingRequest) -> str | None:
@@ -91,9 +119,14 @@ def _joined(first: DeltaMessage | None, second: DeltaMessage | None) -> DeltaMes
     """One delta saying what ``first`` then ``second`` say."""
     if first is None or second is None:
         return first or second
-    content = None if first.content is None and second.content is None else \
-        (first.content or "") + (second.content or "")
-    return DeltaMessage(content=content, tool_calls=(first.tool_calls or []) + (second.tool_calls or []) or None)
+    content = (
+        None
+        if first.content is None and second.content is None
+        else (first.content or "") + (second.content or "")
+    )
+    return DeltaMessage(
+        content=content, tool_calls=(first.tool_calls or []) + (second.tool_calls or []) or None
+    )
 
 
 class ClientDisconnected(Exception):
@@ -137,6 +170,7 @@ async def run_until_disconnect(request: HTTPRequest, work: Awaitable[T]) -> T:
 
     The request body has been read by then, so the next ASGI message is the disconnect.
     """
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -147,7 +181,7 @@ async def run_until_disconnect(request: HTTPRequest, work: Awaitable[T]) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        task.cancel()                           # a no-op once it is done
+        task.cancel()  # a no-op once it is done
     try:
         return await task
     except asyncio.CancelledError:
@@ -203,7 +237,7 @@ class RequestLog:
     max_len: int | None = None
 
     def excerpt(self, prompt: str | Sequence[int]) -> str | Sequence[int]:
-        return prompt if self.max_len is None else prompt[:self.max_len]
+        return prompt if self.max_len is None else prompt[: self.max_len]
 
 
 class OpenAIServing:
@@ -214,9 +248,16 @@ class OpenAIServing:
     requests are refused, as in vLLM without ``--enable-auto-tool-choice``). Once ``draining`` is set
     (shutdown), new requests are refused; ``num_in_flight`` counts those still being served."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], metrics: ServerMetrics,
-                 log: RequestLog = RequestLog(), chat_template: str | None = None,
-                 limits: ServerLimits = ServerLimits(), tool_parser: type[ToolParser] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_names: Sequence[str],
+        metrics: ServerMetrics,
+        log: RequestLog = RequestLog(),
+        chat_template: str | None = None,
+        limits: ServerLimits = ServerLimits(),
+        tool_parser: type[ToolParser] | None = None,
+    ) -> None:
         self.engine = engine
         self.tool_parser = tool_parser
         self.model_names = tuple(model_names)
@@ -244,8 +285,9 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------------
 
-    async def create_completion(self, body: CompletionRequest,
-                                raw: HTTPRequest) -> CompletionResponse | EventStream:
+    async def create_completion(
+        self, body: CompletionRequest, raw: HTTPRequest
+    ) -> CompletionResponse | EventStream:
         """The whole completion, or its event stream when ``body.stream``; the client leaving at any
         point, even while its prompts are tokenized or queued, aborts them all."""
         return await run_until_disconnect(raw, self._completion(body))
@@ -256,16 +298,24 @@ class OpenAIServing:
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
         if body.max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens may be 0 only with echo (to score the prompt); else at least 1.",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                "max_tokens may be 0 only with echo (to score the prompt); else at least 1.",
+                param="max_tokens",
+            )
         echo_logprobs = body.logprobs if body.echo else None
         # Echo only: one token is generated (the engine needs a step), then left out of the answer, as vLLM.
-        sp = self._sampling_params(body, max_tokens=1 if body.echo_only else body.max_tokens,
-                                   logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+        sp = self._sampling_params(
+            body,
+            max_tokens=1 if body.echo_only else body.max_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=echo_logprobs,
+        )
         request_id = f"cmpl-{_random_id()}"
         self._check_size(len(prompts), sp, body)
-        requests = await self._off_loop(sum(map(len, prompts)), self._make_requests, request_id, prompts, sp, body,
-                                        "prompt")
+        requests = await self._off_loop(
+            sum(map(len, prompts)), self._make_requests, request_id, prompts, sp, body, "prompt"
+        )
         job = await self._submit(request_id, requests, sp)
         if body.stream:
             return EventStream(self._completion_events(job, body), functools.partial(self._end, job))
@@ -275,13 +325,21 @@ class OpenAIServing:
             out = job.finals[i]
             for j, c in enumerate(out.outputs):
                 text, logprobs = self._completion_piece(out, c, _ChoiceState(), body)
-                choices.append(CompletionChoice(index=i * job.n + j, text=text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                choices.append(
+                    CompletionChoice(
+                        index=i * job.n + j,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     @staticmethod
-    async def _framed(events: AsyncIterator[str], usage_chunk: Callable[[], BaseModel] | None
-                      ) -> AsyncIterator[str]:
+    async def _framed(
+        events: AsyncIterator[str], usage_chunk: Callable[[], BaseModel] | None
+    ) -> AsyncIterator[str]:
         """Frame a stream's choice events: the usage chunk when asked for, an error event if the
         engine died, failed this request or timed it out in its queue, and always the closing ``[DONE]``."""
         try:
@@ -296,16 +354,42 @@ class OpenAIServing:
 
     def _completion_events(self, job: _Job, body: CompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
-        usage = (lambda: CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[],
-                                            usage=job.usage)) if body.include_usage_in_stream else None
+        usage = (
+            (
+                lambda: CompletionResponse(
+                    id=job.request_id, created=created, model=job.model, choices=[], usage=job.usage
+                )
+            )
+            if body.include_usage_in_stream
+            else None
+        )
         return self._framed(self._completion_choices(job, body, created), usage)
 
-    async def _completion_choices(self, job: _Job, body: CompletionRequest, created: int) -> AsyncIterator[str]:
-        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish_reason: str | None = None,
-                  stop_reason: int | str | None = None) -> CompletionResponse:
-            return CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)],
-                usage=job.usage if body.usage_on_every_chunk else None)
+    async def _completion_choices(
+        self, job: _Job, body: CompletionRequest, created: int
+    ) -> AsyncIterator[str]:
+        def chunk(
+            index: int,
+            text: str,
+            logprobs: CompletionLogprobs | None = None,
+            finish_reason: str | None = None,
+            stop_reason: int | str | None = None,
+        ) -> CompletionResponse:
+            return CompletionResponse(
+                id=job.request_id,
+                created=created,
+                model=job.model,
+                choices=[
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                ],
+                usage=job.usage if body.usage_on_every_chunk else None,
+            )
 
         states: dict[int, _ChoiceState] = {}
         text_events = TextDeltaEvents(chunk)
@@ -313,15 +397,18 @@ class OpenAIServing:
             async for i, out in outputs:
                 for j, c in enumerate(out.outputs):
                     index = i * job.n + j
-                    text, logprobs = self._completion_piece(out, c, states.setdefault(index, _ChoiceState()), body)
+                    text, logprobs = self._completion_piece(
+                        out, c, states.setdefault(index, _ChoiceState()), body
+                    )
                     if logprobs is None and c.finish_reason is None and not body.usage_on_every_chunk:
                         if text:
                             yield text_events.event(index, text)
                     elif text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
                         yield sse(chunk(index, text, logprobs, c.finish_reason, c.stop_reason))
 
-    def _completion_piece(self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState,
-                          body: CompletionRequest) -> tuple[str, CompletionLogprobs | None]:
+    def _completion_piece(
+        self, out: RequestOutput, c: CompletionOutput, state: _ChoiceState, body: CompletionRequest
+    ) -> tuple[str, CompletionLogprobs | None]:
         """``c`` (a delta, or the whole output) as a choice's text and, if asked for, logprobs; the
         first piece starts with the prompt when ``echo``."""
         echo = body.echo and not state.started
@@ -337,11 +424,16 @@ class OpenAIServing:
         state.started = True
         return text, logprobs
 
-    def _add_completion_logprobs(self, logprobs: CompletionLogprobs, token_ids: Sequence[int],
-                                 positions: Sequence[TokenLogprobs | None], state: _ChoiceState) -> None:
+    def _add_completion_logprobs(
+        self,
+        logprobs: CompletionLogprobs,
+        token_ids: Sequence[int],
+        positions: Sequence[TokenLogprobs | None],
+        state: _ChoiceState,
+    ) -> None:
         """OpenAI's legacy format: per token its text, logprob, offset, and alternatives by text."""
         for token, entries in zip(token_ids, positions):
-            if entries is None:                     # the prompt's first token has no logprob
+            if entries is None:  # the prompt's first token has no logprob
                 text = self.engine.tokenizer.decode([token], skip_special_tokens=False)
                 logprobs.token_logprobs.append(None)
                 logprobs.top_logprobs.append(None)
@@ -358,8 +450,9 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
 
-    async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     raw: HTTPRequest) -> ChatCompletionResponse | EventStream:
+    async def create_chat_completion(
+        self, body: ChatCompletionRequest, raw: HTTPRequest
+    ) -> ChatCompletionResponse | EventStream:
         """The whole chat completion, or its event stream when ``body.stream``; the client leaving at
         any point aborts it."""
         return await run_until_disconnect(raw, self._chat_completion(body))
@@ -367,20 +460,29 @@ class OpenAIServing:
     async def _chat_completion(self, body: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         self.check_model(body.model)
         if body.effective_tool_choice == "auto" and self.tool_parser is None:
-            raise APIError(400, '"auto" tool choice (the default with tools) needs the server started with '
-                                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
-                                '"required" or a named function.', param="tool_choice")
+            raise APIError(
+                400,
+                '"auto" tool choice (the default with tools) needs the server started with '
+                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                '"required" or a named function.',
+                param="tool_choice",
+            )
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # The tool parser reads tags that some tokenizers mark special, so they stay in the text (vLLM's rule).
         keep_tags = body.effective_tool_choice == "auto" and body.skip_special_tokens is None
-        sp = self._sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
-                                   **({"skip_special_tokens": False} if keep_tags else {}))
+        sp = self._sampling_params(
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.num_logprobs,
+            **({"skip_special_tokens": False} if keep_tags else {}),
+        )
         request_id = f"chatcmpl-{_random_id()}"
         self._check_size(1, sp, body)
 
         def make() -> list[Request]:
-            prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                      body.tools)
+            prompt = self.chat_prompt(
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
+            )
             return self._make_requests(request_id, [prompt], sp, body, "messages")
 
         requests = await self._off_loop(_text_size(body.messages), make)
@@ -397,22 +499,43 @@ class OpenAIServing:
                 answer = tools.whole(text)
                 message = ChatResponseMessage(content=answer.content, tool_calls=answer.tool_calls)
                 finish_reason = tools.finish_reason(c.finish_reason)
-            choices.append(ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=finish_reason,
-                                      stop_reason=c.stop_reason))
+            choices.append(
+                ChatChoice(
+                    index=j,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
         return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=job.usage)
 
     def _chat_events(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
-        usage = (lambda: ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[],
-                                             usage=job.usage)) if body.include_usage_in_stream else None
+        usage = (
+            (
+                lambda: ChatCompletionChunk(
+                    id=job.request_id, created=created, model=job.model, choices=[], usage=job.usage
+                )
+            )
+            if body.include_usage_in_stream
+            else None
+        )
         return self._framed(self._chat_choices(job, body, created), usage)
 
     async def _chat_choices(self, job: _Job, body: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[choice],
-                                       usage=job.usage if body.usage_on_every_chunk else None)
+            return ChatCompletionChunk(
+                id=job.request_id,
+                created=created,
+                model=job.model,
+                choices=[choice],
+                usage=job.usage if body.usage_on_every_chunk else None,
+            )
 
-        text_events = TextDeltaEvents(lambda j, text: chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text))))
+        text_events = TextDeltaEvents(
+            lambda j, text: chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text)))
+        )
         for j in range(job.n):
             yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))))
         if body.effective_tool_choice != "none":
@@ -427,12 +550,21 @@ class OpenAIServing:
                         if text:
                             yield text_events.event(j, text)
                     elif text or (logprobs is not None and logprobs.content) or c.finish_reason is not None:
-                        yield sse(chunk(ChatChunkChoice(index=j, delta=DeltaMessage(content=text or None),
-                                                        logprobs=logprobs, finish_reason=c.finish_reason,
-                                                        stop_reason=c.stop_reason)))
+                        yield sse(
+                            chunk(
+                                ChatChunkChoice(
+                                    index=j,
+                                    delta=DeltaMessage(content=text or None),
+                                    logprobs=logprobs,
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            )
+                        )
 
-    async def _tool_chat_choices(self, job: _Job, body: ChatCompletionRequest,
-                                 chunk: Callable[[ChatChunkChoice], ChatCompletionChunk]) -> AsyncIterator[str]:
+    async def _tool_chat_choices(
+        self, job: _Job, body: ChatCompletionRequest, chunk: Callable[[ChatChunkChoice], ChatCompletionChunk]
+    ) -> AsyncIterator[str]:
         """The choices' events when the answer may call tools: each choice's text goes through its
         ``ChoiceTools``, which sends content and tool-call pieces as it can tell them apart."""
         tools = [ChoiceTools(body, self.tool_parser) for _ in range(job.n)]
@@ -443,14 +575,28 @@ class OpenAIServing:
                     delta = tools[j].delta(text)
                     if c.finish_reason is not None:
                         delta = _joined(delta, tools[j].finish())
-                    if (delta is not None or c.finish_reason is not None or body.usage_on_every_chunk
-                            or (logprobs is not None and logprobs.content)):
-                        yield sse(chunk(ChatChunkChoice(index=j, delta=delta or DeltaMessage(), logprobs=logprobs,
-                                                        finish_reason=tools[j].finish_reason(c.finish_reason),
-                                                        stop_reason=c.stop_reason)))
+                    if (
+                        delta is not None
+                        or c.finish_reason is not None
+                        or body.usage_on_every_chunk
+                        or (logprobs is not None and logprobs.content)
+                    ):
+                        yield sse(
+                            chunk(
+                                ChatChunkChoice(
+                                    index=j,
+                                    delta=delta or DeltaMessage(),
+                                    logprobs=logprobs,
+                                    finish_reason=tools[j].finish_reason(c.finish_reason),
+                                    stop_reason=c.stop_reason,
+                                )
+                            )
+                        )
 
     @staticmethod
-    def _chat_piece(c: CompletionOutput, body: ChatCompletionRequest) -> tuple[str, ChatChoiceLogprobs | None]:
+    def _chat_piece(
+        c: CompletionOutput, body: ChatCompletionRequest
+    ) -> tuple[str, ChatChoiceLogprobs | None]:
         """``c`` (a delta, or the whole output) as text and, if asked for, logprobs in the chat
         format (each token with its ``top_logprobs`` most likely alternatives)."""
         text = c.text
@@ -458,30 +604,50 @@ class OpenAIServing:
         if body.logprobs:
             content = []
             for token, entries in zip(c.token_ids, c.logprobs):
-                top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)[:body.top_logprobs or 0]
+                top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)[
+                    : body.top_logprobs or 0
+                ]
                 chosen = entries[token]
-                content.append(ChatTokenLogprob(
-                    token=chosen.decoded_token, logprob=chosen.logprob, bytes=list(chosen.decoded_token.encode()),
-                    top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob,
-                                             bytes=list(lp.decoded_token.encode())) for lp in top]))
+                content.append(
+                    ChatTokenLogprob(
+                        token=chosen.decoded_token,
+                        logprob=chosen.logprob,
+                        bytes=list(chosen.decoded_token.encode()),
+                        top_logprobs=[
+                            TopLogprob(
+                                token=lp.decoded_token,
+                                logprob=lp.logprob,
+                                bytes=list(lp.decoded_token.encode()),
+                            )
+                            for lp in top
+                        ],
+                    )
+                )
             logprobs = ChatChoiceLogprobs(content=content)
         return text, logprobs
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Tool] | None = None
-                    ) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Tool] | None = None,
+    ) -> list[int]:
         """The conversation's token ids: rendered by the chat template (given ``template_kwargs`` as extra
         variables, and ``tools``), then tokenized unless its text is surely longer than ``max_model_len``
         (``APIError``)."""
         try:
-            text = self.engine.tokenizer.render_chat([m.to_template_dict() for m in messages],
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     chat_template=self.chat_template,
-                                                     chat_template_kwargs=template_kwargs,
-                                                     tools=[t.model_dump(exclude_none=True) for t in tools]
-                                                     if tools else None)
-        except ValueError as e:          # no chat template, or kwargs naming its own parameters
-            raise APIError(400, str(e), param="chat_template_kwargs" if template_kwargs else "messages") from None
+            text = self.engine.tokenizer.render_chat(
+                [m.to_template_dict() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template,
+                chat_template_kwargs=template_kwargs,
+                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            )
+        except ValueError as e:  # no chat template, or kwargs naming its own parameters
+            raise APIError(
+                400, str(e), param="chat_template_kwargs" if template_kwargs else "messages"
+            ) from None
         return self._encode(text, False, "messages")
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -489,8 +655,11 @@ class OpenAIServing:
         then a 400 at once, without tokenizing (seconds for megabytes)."""
         at_least, limit = self.engine.tokenizer.min_num_tokens(text), self.engine.max_model_len
         if at_least > limit:
-            raise APIError(400, f"{param} has at least {at_least} tokens, but max_model_len is {limit}; "
-                                f"shorten it.", param=param)
+            raise APIError(
+                400,
+                f"{param} has at least {at_least} tokens, but max_model_len is {limit}; shorten it.",
+                param=param,
+            )
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- /tokenize, /detokenize --------------------------------------------------------------
@@ -500,15 +669,25 @@ class OpenAIServing:
         request's prompt: vLLM has no limit, but a 20 MB call took 33 s and 5.7 GB)."""
         self.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            tokens = await self._off_loop(_text_size(body.messages), self.chat_prompt, body.messages,
-                                          body.add_generation_prompt, body.chat_template_kwargs, body.tools)
+            tokens = await self._off_loop(
+                _text_size(body.messages),
+                self.chat_prompt,
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
+                body.tools,
+            )
         else:
-            tokens = await self._off_loop(len(body.prompt), self._encode, body.prompt, body.add_special_tokens,
-                                          "prompt")
+            tokens = await self._off_loop(
+                len(body.prompt), self._encode, body.prompt, body.add_special_tokens, "prompt"
+            )
         limit = self.engine.max_model_len
         if len(tokens) > limit:
-            raise APIError(400, f"the input has {len(tokens)} tokens, but max_model_len is {limit}; shorten it.",
-                           param="messages" if isinstance(body, TokenizeChatRequest) else "prompt")
+            raise APIError(
+                400,
+                f"the input has {len(tokens)} tokens, but max_model_len is {limit}; shorten it.",
+                param="messages" if isinstance(body, TokenizeChatRequest) else "prompt",
+            )
         return tokens
 
     def tokenizer_info(self) -> TokenizerInfoResponse:
@@ -516,8 +695,11 @@ class OpenAIServing:
         ``model_max_length``...) and the chat template in use; file paths are left out, as they describe
         the server's disk, not the tokenizer."""
         hf = self.engine.tokenizer.hf
-        info = {key: _jsonable(value) for key, value in hf.init_kwargs.items()
-                if not key.endswith("_file") and key != "name_or_path"}
+        info = {
+            key: _jsonable(value)
+            for key, value in hf.init_kwargs.items()
+            if not key.endswith("_file") and key != "name_or_path"
+        }
         template = self.chat_template or hf.chat_template
         if template:
             info["chat_template"] = template
@@ -528,8 +710,11 @@ class OpenAIServing:
         self.check_model(body.model)
         limit, vocab = self.engine.max_model_len, self.engine.tokenizer.vocab_size
         if len(body.tokens) > limit:
-            raise APIError(400, f"tokens holds {len(body.tokens)} ids, but max_model_len is {limit}; send fewer.",
-                           param="tokens")
+            raise APIError(
+                400,
+                f"tokens holds {len(body.tokens)} ids, but max_model_len is {limit}; send fewer.",
+                param="tokens",
+            )
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}.", param="tokens")
@@ -548,26 +733,37 @@ class OpenAIServing:
         """Refuse a request running more sequences than ``limits.max_seqs_per_request``."""
         limit = self.limits.max_seqs_per_request
         if num_prompts * sp.best_of > limit:
-            raise APIError(400, f"a request may run at most {limit} sequences (prompts x n, or best_of); this one "
-                                f"asks for {num_prompts} x {sp.best_of}. Send fewer prompts or samples.",
-                           param="prompt" if sp.best_of == 1 else "best_of" if body.best_of else "n")
+            raise APIError(
+                400,
+                f"a request may run at most {limit} sequences (prompts x n, or best_of); this one "
+                f"asks for {num_prompts} x {sp.best_of}. Send fewer prompts or samples.",
+                param="prompt" if sp.best_of == 1 else "best_of" if body.best_of else "n",
+            )
 
     @staticmethod
     async def _off_loop(size: int, fn: Callable[..., T], *args) -> T:
         """``fn(*args)``, in a worker thread when its input's ``size`` is over ``_OFF_LOOP_CHARS``."""
         return await asyncio.to_thread(fn, *args) if size > _OFF_LOOP_CHARS else fn(*args)
 
-    def _make_requests(self, request_id: str, prompts: Sequence[str | list[int]], sp: SamplingParams,
-                       body: SamplingRequest, prompt_param: str) -> list[Request]:
+    def _make_requests(
+        self,
+        request_id: str,
+        prompts: Sequence[str | list[int]],
+        sp: SamplingParams,
+        body: SamplingRequest,
+        prompt_param: str,
+    ) -> list[Request]:
         """Validate and tokenize every prompt (``APIError``; an error that names no request field is
         blamed on ``prompt_param``)."""
         arrival = time.time()
         try:
-            return [self.engine.make_request(f"{request_id}-{i}", p, sp, arrival, body.cache_salt, body.priority)
-                    for i, p in enumerate(prompts)]
+            return [
+                self.engine.make_request(f"{request_id}-{i}", p, sp, arrival, body.cache_salt, body.priority)
+                for i, p in enumerate(prompts)
+            ]
         except ValueError as e:
             param = _named_param(e, body)
-            if param == "structured_outputs":       # the grammar did not compile: blame the field it came from
+            if param == "structured_outputs":  # the grammar did not compile: blame the field it came from
                 param = constraint_field(body)
             raise APIError(400, str(e), param=param or prompt_param) from None
 
@@ -576,17 +772,19 @@ class OpenAIServing:
         if self.draining:
             raise shutting_down_error()
         job = _Job(request_id, self.model_name, sp.n, requests[0].arrival_time)
-        self._jobs.add(job)                         # in flight from now: a drain waits for it
+        self._jobs.add(job)  # in flight from now: a drain waits for it
         try:
             job.streams = await self.engine.add_requests(requests)
-        except BaseException as e:                  # also when the client left (cancelled) meanwhile
+        except BaseException as e:  # also when the client left (cancelled) meanwhile
             self._jobs.discard(job)
             if isinstance(e, _ENGINE_ERRORS):
                 raise APIError.from_engine(e) from None
             raise
         if self.log.enabled and self.log.prompts:
             for req in requests:
-                logger.info("%s: prompt %r", req.request_id, self.log.excerpt(req.prompt or req.prompt_token_ids))
+                logger.info(
+                    "%s: prompt %r", req.request_id, self.log.excerpt(req.prompt or req.prompt_token_ids)
+                )
         return job
 
     async def _merged(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -598,7 +796,7 @@ class OpenAIServing:
         """
         pending: dict[asyncio.Future, int] = {}
         try:
-            if len(job.streams) == 1:           # one prompt: its stream is read directly, no task per output
+            if len(job.streams) == 1:  # one prompt: its stream is read directly, no task per output
                 async for out in job.streams[0]:
                     if out.finished:
                         job.finals[0] = out
@@ -651,8 +849,14 @@ class OpenAIServing:
         generated = sum(stream.num_output_tokens.values())
         reason = last.outputs[0].finish_reason if stream.finished else "abort"
         if self.log.enabled:
-            logger.info("%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s", stream.request_id,
-                        stream.num_prompt_tokens, generated, time.time() - arrival_time, reason)
+            logger.info(
+                "%s: %d prompt tokens, %d generated tokens, %.3f s, finish=%s",
+                stream.request_id,
+                stream.num_prompt_tokens,
+                generated,
+                time.time() - arrival_time,
+                reason,
+            )
 
 
 def _jsonable(value: Any) -> Any:

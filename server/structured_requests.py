@@ -25,8 +25,11 @@ def structured_outputs_of(body: SamplingRequest) -> StructuredOutputsParams | No
     asked = _asked(body)
     if len(asked) > 1:
         names = ", ".join(name for name, _ in asked)
-        raise APIError(400, f"a request may constrain its output one way only; this one asks through {names}.",
-                       param=asked[1][0])
+        raise APIError(
+            400,
+            f"a request may constrain its output one way only; this one asks through {names}.",
+            param=asked[1][0],
+        )
     if not asked:
         return None
     name, fields = asked[0]
@@ -56,12 +59,27 @@ def _asked(body: SamplingRequest) -> list[tuple[str, dict[str, Any]]]:
         asked.append(("response_format", {"structural_tag": tag}))
     if body.structured_outputs is not None:
         so = body.structured_outputs
-        asked.append(("structured_outputs", {
-            "json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-            "json_object": so.json_object, "structural_tag": so.structural_tag,
-            "disable_any_whitespace": so.disable_any_whitespace, "whitespace_pattern": so.whitespace_pattern}))
-    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                       ("guided_grammar", "grammar")):
+        asked.append(
+            (
+                "structured_outputs",
+                {
+                    "json": so.json_,
+                    "regex": so.regex,
+                    "choice": so.choice,
+                    "grammar": so.grammar,
+                    "json_object": so.json_object,
+                    "structural_tag": so.structural_tag,
+                    "disable_any_whitespace": so.disable_any_whitespace,
+                    "whitespace_pattern": so.whitespace_pattern,
+                },
+            )
+        )
+    for name, kind in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(body, name)
         if value is not None:
             extra = {"whitespace_pattern": body.guided_whitespace_pattern} if kind == "json" else {}
@@ -82,9 +100,18 @@ def tool_call_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
         return body.named_tool.function.parameters or ANY_OBJECT
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": t.function.parameters or ANY_OBJECT},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in body.tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or ANY_OBJECT,
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in body.tools
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not body.parallel_tool_calls:
         schema["maxItems"] = 1

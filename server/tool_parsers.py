@@ -180,8 +180,12 @@ class ToolParser(ABC):
         """A whole call as a stream sends it: its header with the name, then its arguments."""
         index = self._calls_sent
         self._calls_sent += 1
-        return [DeltaToolCall(index, DeltaFunctionCall(name=call.name, arguments=""), make_tool_call_id(), "function"),
-                DeltaToolCall(index, DeltaFunctionCall(arguments=call.arguments))]
+        return [
+            DeltaToolCall(
+                index, DeltaFunctionCall(name=call.name, arguments=""), make_tool_call_id(), "function"
+            ),
+            DeltaToolCall(index, DeltaFunctionCall(arguments=call.arguments)),
+        ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,12 +247,14 @@ class HermesToolParser(ToolParser):
                 end = self._buffer.find(self.END, len(self.START))
                 if end == -1:
                     break
-                self._close_block(self._buffer[len(self.START):end], content, tool_calls)
+                self._close_block(self._buffer[len(self.START) : end], content, tool_calls)
                 if self._mode is _Mode.CALLS:
-                    self._buffer = self._buffer[end + len(self.END):]
+                    self._buffer = self._buffer[end + len(self.END) :]
             else:
                 start = self._buffer.find(self.START)
-                sendable = len(self._buffer) - _partial_tag(self._buffer, self.START) if start == -1 else start
+                sendable = (
+                    len(self._buffer) - _partial_tag(self._buffer, self.START) if start == -1 else start
+                )
                 if self._mode is _Mode.CONTENT:
                     self._send_content(self._buffer[:sendable], content)
                 self._buffer = self._buffer[sendable:]
@@ -261,7 +267,7 @@ class HermesToolParser(ToolParser):
         content: list[str] = []
         tool_calls: list[DeltaToolCall] = []
         if self._in_block:
-            self._close_block(self._buffer[len(self.START):], content, tool_calls)
+            self._close_block(self._buffer[len(self.START) :], content, tool_calls)
         if self._mode in (_Mode.CONTENT, _Mode.PLAIN):
             content += [self._blank, self._buffer]
         self._blank = self._buffer = ""
@@ -352,7 +358,9 @@ class Llama3JsonToolParser(ToolParser):
                 return None  # blank so far, or the tag may still be coming
             self._pos = start + len(self.PYTHON_TAG) if lead.startswith(self.PYTHON_TAG) else start
         tool_calls: list[DeltaToolCall] = []
-        while not isinstance(parsed := _llama_call(self._text, self._pos, self._mode is _Mode.CONTENT), _Halt):
+        while not isinstance(
+            parsed := _llama_call(self._text, self._pos, self._mode is _Mode.CONTENT), _Halt
+        ):
             call, end = parsed
             tool_calls += self._call_deltas(call)
             self._mode = _Mode.CALLS
@@ -387,4 +395,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     try:
         return TOOL_PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; valid names: {', '.join(TOOL_PARSERS)}") from None
+        raise ValueError(
+            f"unknown tool call parser {name!r}; valid names: {', '.join(TOOL_PARSERS)}"
+        ) from None

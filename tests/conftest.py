@@ -39,6 +39,7 @@ def tiny_model_factory(tmp_path_factory, tiny_tokenizer_dir):
             path = tmp_path_factory.mktemp(f"model-{name}")
             cache[name] = path, save_tiny_llama(path, tiny_tokenizer_dir, **overrides)
         return cache[name]
+
     return make
 
 

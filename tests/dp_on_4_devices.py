@@ -26,8 +26,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
 
 def _run(llm, prompts):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return ([o.outputs[0].token_ids for o in outs],
-            np.asarray([[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]))
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        np.asarray(
+            [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def test_two_replicas_match_one_engine_and_share_the_load(tiny, prompts, referen
     tokens, logprobs = _run(llm, prompts)
     assert tokens == reference[0]
     np.testing.assert_allclose(logprobs, reference[1], atol=1e-4)
-    assert engine.router.num_routed == [3, 3]          # least loaded: alternating
+    assert engine.router.num_routed == [3, 3]  # least loaded: alternating
     assert all(e.kv_cache_manager.stats.queries > 0 for e in engine.replicas)
     devices = [set(e.runner.memory_per_device()) for e in engine.replicas]
     assert [len(d) for d in devices] == [tp, tp] and not devices[0] & devices[1]
@@ -70,11 +74,14 @@ def test_replicas_of_an_automatic_pool_all_take_the_first_ones_size(tiny, monkey
     (on CPU devices, all in the host's memory) have taken; every replica gets the first one's pool."""
     from jaxpaged import kv_cache_size
 
-    block = 4 * 2 * 2 * 2 * 16 * 4                     # block size 4 of the tiny model's float32 K/V
-    free = iter([81 * block, 21 * block, 21 * block])   # less for every later replica
+    block = 4 * 2 * 2 * 2 * 16 * 4  # block size 4 of the tiny model's float32 K/V
+    free = iter([81 * block, 21 * block, 21 * block])  # less for every later replica
     monkeypatch.setattr(kv_cache_size, "free_bytes", lambda device: next(free))
     engine = LLM(str(tiny[0]), data_parallel_size=2, block_size=4, max_num_batched_tokens=64).engine
-    assert [e.cache_info.num_usable_blocks for e in engine.replicas] == [39, 39]     # half of 81 blocks, less the null
+    assert [e.cache_info.num_usable_blocks for e in engine.replicas] == [
+        39,
+        39,
+    ]  # half of 81 blocks, less the null
     assert [e.max_model_len for e in engine.replicas] == [39 * 4] * 2 == [engine.max_model_len] * 2
 
 
@@ -82,9 +89,9 @@ def test_prompts_sharing_a_first_block_go_to_the_replica_that_has_it(tiny):
     llm = LLM(str(tiny[0]), data_parallel_size=2, **ENGINE)
     engine = llm.engine
     rng = np.random.default_rng(1)
-    system = rng.integers(3, 350, 12).tolist()          # three full blocks of 4
+    system = rng.integers(3, 350, 12).tolist()  # three full blocks of 4
     first = [system + rng.integers(3, 350, 5).tolist(), rng.integers(3, 350, 9).tolist()]
-    llm.generate(first, GREEDY, use_tqdm=False)          # system prompt -> replica 0, the other -> 1
+    llm.generate(first, GREEDY, use_tqdm=False)  # system prompt -> replica 0, the other -> 1
     assert engine.router.num_routed == [1, 1]
     later = [system + rng.integers(3, 350, n).tolist() for n in (3, 6, 2)]
     llm.generate(later, GREEDY, use_tqdm=False)
@@ -106,11 +113,12 @@ def test_async_engine_serves_through_replicas(tiny, reference, prompts):
 
     async def main():
         return await asyncio.gather(*(one(i) for i in range(4)))
+
     try:
         assert asyncio.run(main()) == reference[0][:4]
         assert engine.stats.num_usable_blocks == 2 * 63
         # /metrics counts the replicas together: both took steps, and the pool is theirs.
-        while engine.stats.num_running:             # until the snapshot after the last step
+        while engine.stats.num_running:  # until the snapshot after the last step
             time.sleep(0.01)
         num_steps = [sum(e.step_stats.iteration_tokens.counts) for e in llm.engine.replicas]
         assert all(num_steps)

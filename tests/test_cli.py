@@ -28,11 +28,15 @@ from jaxpaged.server.app import CORSOptions
 from jaxpaged.server.serving import ServerLimits
 from test_server import ENGINE_ARGS, serve
 
-VLLM_COMMAND = ("serve HuggingFaceTB/SmolLM2-135M-Instruct --dtype auto --gpu-memory-utilization 0.9 --swap-space 4 "
-                "--enable-prefix-caching -tp 1 --served-model-name a b --max-log-len 100 --disable-log-requests "
-                "--kv-cache-memory 4GiB")
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}|{% endfor %}"
-            "{% if add_generation_prompt %}[assistant]{% endif %}")
+VLLM_COMMAND = (
+    "serve HuggingFaceTB/SmolLM2-135M-Instruct --dtype auto --gpu-memory-utilization 0.9 --swap-space 4 "
+    "--enable-prefix-caching -tp 1 --served-model-name a b --max-log-len 100 --disable-log-requests "
+    "--kv-cache-memory 4GiB"
+)
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}|{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
 
 
@@ -70,16 +74,24 @@ def test_model_is_positional_or_a_flag_but_not_two_different_ones(capsys):
     assert parse("serve m1 --model m1 --port 9000").model == "m1"
     assert parse("serve --port 9000").model == DEFAULT_MODEL
     assert "given twice, as 'm1' and as --model 'm2'" in usage_error(capsys, "serve m1 --model m2")
-    ns = parse("generate --model m1 hello world")             # generate's positionals are its prompts
+    ns = parse("generate --model m1 hello world")  # generate's positionals are its prompts
     assert (ns.model, ns.prompts) == ("m1", ["hello", "world"])
 
 
 def test_boolean_flags_are_bare_with_a_no_form(capsys):
     defaults = engine_args_from(parse("serve m"))
-    assert (defaults.enable_prefix_caching, defaults.enable_chunked_prefill, defaults.precompile) == (True,) * 3
-    args = engine_args_from(parse("serve m --no-enable-prefix-caching --no-enable-chunked-prefill --no-precompile "
-                                  "--no-async-scheduling"))
-    assert not (args.enable_prefix_caching or args.enable_chunked_prefill or args.precompile or args.async_scheduling)
+    assert (defaults.enable_prefix_caching, defaults.enable_chunked_prefill, defaults.precompile) == (
+        True,
+    ) * 3
+    args = engine_args_from(
+        parse(
+            "serve m --no-enable-prefix-caching --no-enable-chunked-prefill --no-precompile "
+            "--no-async-scheduling"
+        )
+    )
+    assert not (
+        args.enable_prefix_caching or args.enable_chunked_prefill or args.precompile or args.async_scheduling
+    )
     assert engine_args_from(parse("serve m --no-precompile --precompile")).precompile
     # The explicit form of earlier versions is gone: a value after the flag is an error, not a model.
     assert "boolean flags take no value" in usage_error(capsys, "serve --enable-prefix-caching false")
@@ -100,37 +112,57 @@ def test_sizes_fractions_and_swap_space_in_gib():
     assert cache("--kv-cache-memory 512M").kv_cache_memory == 512 * 2**20
     assert cache("--kv-cache-memory 123456").kv_cache_memory == 123456
     assert cache("--swap-space 0.25").swap_space == 2**28
-    assert cache("").swap_space == 2**29                       # the default, 0.5 GiB
+    assert cache("").swap_space == 2**29  # the default, 0.5 GiB
     assert cache("--gpu-memory-utilization 1").gpu_memory_utilization == 1.0
     # Without preemption_mode=swap there is no host pool.
     assert engine_args_from(parse("serve m --swap-space 4")).create_engine_config().cache.swap_space == 0
     assert EngineConfig.from_args(EngineArgs(swap_space=1, preemption_mode="swap")).cache.swap_space == 2**30
 
 
-@pytest.mark.parametrize("flags, error", [
-    ("--kv-cache-memory 4XB", "argument --kv-cache-memory: must be a whole number of bytes or a size such as 4GiB"),
-    ("--kv-cache-memory 0GiB", "argument --kv-cache-memory: must be a positive size"),
-    ("--gpu-memory-utilization 0", r"argument --gpu-memory-utilization: must be a fraction in (0, 1], got 0.0"),
-    ("--gpu-memory-utilization 1.5", r"argument --gpu-memory-utilization: must be a fraction in (0, 1], got 1.5"),
-    ("--gpu-memory-utilization x", "argument --gpu-memory-utilization: invalid float value: 'x'"),
-    ("--swap-space -1", "argument --swap-space: must be a number of GiB >= 0, got -1.0"),
-    ("--dtype fp8", "argument --dtype: invalid choice: 'fp8' (choose from 'auto', 'float32'"),
-    ("--block-size 7", "argument --block-size: must be a power of two from 1 to 128, got 7"),
-    ("-tp 0", "argument --tensor-parallel-size: must be an integer >= 1, got 0"),
-    ("--port 70000", "argument --port: expected a port from 0 to 65535"),
-    ("--max-log-len -1", "argument --max-log-len: expected an integer >= 0"),
-    ("--allowed-origins https://a.example", "argument --allowed-origins: expected a JSON list of strings"),
-    ("--chat-template no/such/template.jinja", "argument --chat-template: 'no/such/template.jinja' looks like a "
-                                                "file path but cannot be read"),
-])
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            "--kv-cache-memory 4XB",
+            "argument --kv-cache-memory: must be a whole number of bytes or a size such as 4GiB",
+        ),
+        ("--kv-cache-memory 0GiB", "argument --kv-cache-memory: must be a positive size"),
+        (
+            "--gpu-memory-utilization 0",
+            r"argument --gpu-memory-utilization: must be a fraction in (0, 1], got 0.0",
+        ),
+        (
+            "--gpu-memory-utilization 1.5",
+            r"argument --gpu-memory-utilization: must be a fraction in (0, 1], got 1.5",
+        ),
+        ("--gpu-memory-utilization x", "argument --gpu-memory-utilization: invalid float value: 'x'"),
+        ("--swap-space -1", "argument --swap-space: must be a number of GiB >= 0, got -1.0"),
+        ("--dtype fp8", "argument --dtype: invalid choice: 'fp8' (choose from 'auto', 'float32'"),
+        ("--block-size 7", "argument --block-size: must be a power of two from 1 to 128, got 7"),
+        ("-tp 0", "argument --tensor-parallel-size: must be an integer >= 1, got 0"),
+        ("--port 70000", "argument --port: expected a port from 0 to 65535"),
+        ("--max-log-len -1", "argument --max-log-len: expected an integer >= 0"),
+        (
+            "--allowed-origins https://a.example",
+            "argument --allowed-origins: expected a JSON list of strings",
+        ),
+        (
+            "--chat-template no/such/template.jinja",
+            "argument --chat-template: 'no/such/template.jinja' looks like a file path but cannot be read",
+        ),
+    ],
+)
 def test_bad_values_are_usage_errors_naming_the_flag(capsys, flags, error):
     assert error in usage_error(capsys, f"serve m {flags}")
 
 
 def test_unknown_and_abbreviated_flags_fail_naming_the_closest(capsys):
     assert usage_error(capsys, "serve m --enable-prefix-cachin").endswith(
-        "unrecognized arguments: --enable-prefix-cachin; did you mean --enable-prefix-caching?")
-    assert "did you mean --max-num-seqs?" in usage_error(capsys, "serve m --max-num-seq 4")   # no abbreviations
+        "unrecognized arguments: --enable-prefix-cachin; did you mean --enable-prefix-caching?"
+    )
+    assert "did you mean --max-num-seqs?" in usage_error(
+        capsys, "serve m --max-num-seq 4"
+    )  # no abbreviations
     assert "did you mean --max-tokens?" in usage_error(capsys, "generate --max-token 4 hi")
     err = usage_error(capsys, "serve m --gpu-memory-utilisation 0.9 --served-model 1")
     assert "--gpu-memory-utilization (for --gpu-memory-utilisation)" in err
@@ -141,15 +173,38 @@ def test_server_options_parse(tmp_path, capsys):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     key.write_text("k")
     cert.write_text("c")
-    ns = parse(["serve", "m", "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
-                "--allow-credentials", "--root-path", "/llm", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
-                "--log-prompts", "--enable-log-requests"])
-    assert (ns.allowed_origins, ns.allowed_methods, ns.allowed_headers) == (["https://a.example"], ["GET", "POST"],
-                                                                            ["*"])
+    ns = parse(
+        [
+            "serve",
+            "m",
+            "--allowed-origins",
+            '["https://a.example"]',
+            "--allowed-methods",
+            '["GET", "POST"]',
+            "--allow-credentials",
+            "--root-path",
+            "/llm",
+            "--ssl-keyfile",
+            str(key),
+            "--ssl-certfile",
+            str(cert),
+            "--log-prompts",
+            "--enable-log-requests",
+        ]
+    )
+    assert (ns.allowed_origins, ns.allowed_methods, ns.allowed_headers) == (
+        ["https://a.example"],
+        ["GET", "POST"],
+        ["*"],
+    )
     assert (ns.allow_credentials, ns.root_path, ns.log_prompts, ns.log_requests) == (True, "/llm", True, True)
     assert (ns.ssl_keyfile, ns.ssl_certfile) == (str(key), str(cert))
     defaults = parse("serve m")
-    assert (defaults.allowed_origins, defaults.allow_credentials, defaults.log_requests) == (["*"], False, True)
+    assert (defaults.allowed_origins, defaults.allow_credentials, defaults.log_requests) == (
+        ["*"],
+        False,
+        True,
+    )
     assert (defaults.served_model_name, defaults.max_log_len, defaults.chat_template) == (None, None, None)
     assert "HTTPS needs both" in usage_error(capsys, f"serve m --ssl-keyfile {key}")
 
@@ -181,13 +236,13 @@ def _auto(platform: str, model: str = "m", **kwargs) -> str:
 def test_dtype_auto_on_cpu_is_bfloat16_only_with_native_bfloat16_hardware(monkeypatch):
     _cpu(monkeypatch, flags={"avx512f", "avx512_bf16"})
     assert _auto("cpu") == "bfloat16"
-    assert _auto("cpu", matmul_backend="xla") == "float32"            # XLA's dot is no faster in bfloat16
-    assert _auto("cpu", tensor_parallel_size=2) == "float32"          # nor does the native matmul run split models
+    assert _auto("cpu", matmul_backend="xla") == "float32"  # XLA's dot is no faster in bfloat16
+    assert _auto("cpu", tensor_parallel_size=2) == "float32"  # nor does the native matmul run split models
     _cpu(monkeypatch, flags={"avx512f"}, amx=True)
     assert _auto("cpu") == "bfloat16"
     _cpu(monkeypatch, flags={"avx512f", "avx2"})
     assert _auto("cpu") == "float32"
-    _cpu(monkeypatch, flags={"avx512_bf16"}, vectorized=False)        # the portable loops
+    _cpu(monkeypatch, flags={"avx512_bf16"}, vectorized=False)  # the portable loops
     assert _auto("cpu") == "float32"
 
 
@@ -198,7 +253,7 @@ def test_dtype_auto_on_accelerators_follows_vllm(tmp_path):
         return str(tmp_path / name)
 
     assert _auto("gpu", hf_dir("bf16", {"torch_dtype": "bfloat16"})) == "bfloat16"
-    assert _auto("gpu", hf_dir("new-bf16", {"dtype": "bfloat16"})) == "bfloat16"    # newer transformers' key
+    assert _auto("gpu", hf_dir("new-bf16", {"dtype": "bfloat16"})) == "bfloat16"  # newer transformers' key
     assert _auto("gpu", hf_dir("f32", {"torch_dtype": "float32"})) == "float16"
     assert _auto("gpu", hf_dir("f16", {"torch_dtype": "float16"})) == "float16"
     assert _auto("gpu", hf_dir("none", {})) == "float16"
@@ -209,10 +264,16 @@ def test_dtype_auto_on_accelerators_follows_vllm(tmp_path):
 
 def test_explicit_dtypes_and_vllm_aliases_are_kept():
     def dtype(value: str) -> str:
-        return auto_dtype.resolve_auto_dtype(EngineArgs(dtype=value).create_engine_config(), "gpu").model.dtype
+        return auto_dtype.resolve_auto_dtype(
+            EngineArgs(dtype=value).create_engine_config(), "gpu"
+        ).model.dtype
 
-    assert [dtype(d) for d in ("float32", "bfloat16", "half", "float")] == ["float32", "bfloat16", "float16",
-                                                                            "float32"]
+    assert [dtype(d) for d in ("float32", "bfloat16", "half", "float")] == [
+        "float32",
+        "bfloat16",
+        "float16",
+        "float32",
+    ]
 
 
 def test_engine_resolves_dtype_auto_once_and_logs_it(tiny, caplog):
@@ -220,9 +281,12 @@ def test_engine_resolves_dtype_auto_once_and_logs_it(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="jaxpaged.auto_dtype"):
         llm = LLM(str(tiny[0]), dtype="auto", precompile=False, max_num_seqs=2, max_model_len=64)
     assert llm.engine.config.model.dtype == expected
-    assert [r.getMessage() for r in caplog.records if r.name == "jaxpaged.auto_dtype"] == [f"dtype auto: {expected} "
-                                                                                           "on cpu"]
-    assert llm.generate("The quick brown", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert [r.getMessage() for r in caplog.records if r.name == "jaxpaged.auto_dtype"] == [
+        f"dtype auto: {expected} on cpu"
+    ]
+    assert (
+        llm.generate("The quick brown", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    )
 
 
 # ---- chat template -------------------------------------------------------------------------------
@@ -239,7 +303,7 @@ def test_llm_chat_takes_a_chat_template(tiny):
     params = SamplingParams(max_tokens=1)
     want = _reference_ids(tiny[0], MESSAGES)
     assert llm.chat(MESSAGES, params, use_tqdm=False, chat_template=TEMPLATE)[0].prompt_token_ids == want
-    assert llm.chat(MESSAGES, params, use_tqdm=False)[0].prompt_token_ids != want       # the tokenizer's own
+    assert llm.chat(MESSAGES, params, use_tqdm=False)[0].prompt_token_ids != want  # the tokenizer's own
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -257,29 +321,41 @@ def test_served_model_names_are_aliases(engine):
         assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["tiny-a", "tiny-b"]
         assert httpx.get(f"{base}/v1/models/tiny-b").json()["id"] == "tiny-b"
         for name in ("tiny-a", "tiny-b"):
-            resp = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
-                              timeout=60)
-            assert resp.status_code == 200 and resp.json()["model"] == "tiny-a"    # responses report the first
+            resp = httpx.post(
+                f"{base}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2}, timeout=60
+            )
+            assert resp.status_code == 200 and resp.json()["model"] == "tiny-a"  # responses report the first
         resp = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 def test_cors_preflight_and_responses(engine):
-    preflight = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
-    with serve(build_app(engine, "tiny")) as base:                      # vLLM's defaults: any origin
+    preflight = {
+        "Origin": "https://a.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    with serve(build_app(engine, "tiny")) as base:  # vLLM's defaults: any origin
         resp = httpx.options(f"{base}/v1/chat/completions", headers=preflight)
         assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
         assert "POST" in resp.headers["access-control-allow-methods"]
-    cors = CORSOptions(allowed_origins=["https://a.example"], allowed_methods=["GET", "POST"], allow_credentials=True)
+    cors = CORSOptions(
+        allowed_origins=["https://a.example"], allowed_methods=["GET", "POST"], allow_credentials=True
+    )
     with serve(build_app(engine, "tiny", api_key="k", cors=cors)) as base:
-        resp = httpx.options(f"{base}/v1/chat/completions", headers=preflight)   # before the key check
+        resp = httpx.options(f"{base}/v1/chat/completions", headers=preflight)  # before the key check
         assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "https://a.example"
         assert resp.headers["access-control-allow-credentials"] == "true"
-        other = httpx.options(f"{base}/v1/chat/completions", headers={**preflight, "Origin": "https://b.example"})
+        other = httpx.options(
+            f"{base}/v1/chat/completions", headers={**preflight, "Origin": "https://b.example"}
+        )
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
-        models = httpx.get(f"{base}/v1/models", headers={"Origin": "https://a.example", "Authorization": "Bearer k"})
-        assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://a.example"
+        models = httpx.get(
+            f"{base}/v1/models", headers={"Origin": "https://a.example", "Authorization": "Bearer k"}
+        )
+        assert (
+            models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://a.example"
+        )
 
 
 def test_server_chat_template_override(engine, tiny):
@@ -326,15 +402,42 @@ def test_serve_command_wires_the_server_options(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(server_app, "GracefulServer", FakeServer)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
     try:
-        assert main(["serve", str(tiny[0]), "--served-model-name", "x", "y", "--root-path", "/llm", "--ssl-keyfile",
-                     str(key), "--ssl-certfile", str(cert), "--no-precompile", "--shutdown-timeout", "7",
-                     "--max-request-body-bytes", "1MiB", "--max-seqs-per-request", "3", *flags]) == 0
+        assert (
+            main(
+                [
+                    "serve",
+                    str(tiny[0]),
+                    "--served-model-name",
+                    "x",
+                    "y",
+                    "--root-path",
+                    "/llm",
+                    "--ssl-keyfile",
+                    str(key),
+                    "--ssl-certfile",
+                    str(cert),
+                    "--no-precompile",
+                    "--shutdown-timeout",
+                    "7",
+                    "--max-request-body-bytes",
+                    "1MiB",
+                    "--max-seqs-per-request",
+                    "3",
+                    *flags,
+                ]
+            )
+            == 0
+        )
     finally:
         gc.unfreeze()
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["root_path"]) == (str(key), str(cert), "/llm")
     assert seen["shutdown_timeout"] == 7.0
     app = seen["app"]
-    assert [m.cls.__name__ for m in app.user_middleware] == ["CORSMiddleware", "RefuseWhileDraining", "BodySizeLimit"]
+    assert [m.cls.__name__ for m in app.user_middleware] == [
+        "CORSMiddleware",
+        "RefuseWhileDraining",
+        "BodySizeLimit",
+    ]
     assert app.state.serving.limits == ServerLimits(2**20, 3, None)
     models = TestClient(app).get("/v1/models", headers={"Origin": "https://a.example"})
     assert [m["id"] for m in models.json()["data"]] == ["x", "y"]

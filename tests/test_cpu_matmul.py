@@ -15,14 +15,25 @@ from jaxpaged.kernels.cpu_matmul import matmul, native_matmul_available, pack_qu
 
 pytestmark = pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
 
-U32 = 2.0 ** -24  # float32 unit roundoff
-BF16_U = 2.0 ** -8  # bfloat16 unit roundoff (8 significant bits)
+U32 = 2.0**-24  # float32 unit roundoff
+BF16_U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits)
 
 # (M, K, N): M = 1, M around the 12-row micro-kernel tile, N not a multiple of the 32-column panel,
 # odd K (bfloat16 pairs), several row blocks, and the model's shapes.
 SHAPES = [
-    (1, 1, 1), (1, 5, 7), (3, 1, 33), (2, 2, 32), (1, 576, 960), (7, 577, 100), (12, 64, 64), (13, 130, 65),
-    (25, 31, 95), (37, 575, 31), (64, 576, 960), (300, 1536, 200), (129, 577, 161),
+    (1, 1, 1),
+    (1, 5, 7),
+    (3, 1, 33),
+    (2, 2, 32),
+    (1, 576, 960),
+    (7, 577, 100),
+    (12, 64, 64),
+    (13, 130, 65),
+    (25, 31, 95),
+    (37, 575, 31),
+    (64, 576, 960),
+    (300, 1536, 200),
+    (129, 577, 161),
 ]
 MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 
@@ -33,7 +44,9 @@ def _data(m, k, n, seed=0):
 
 
 def _native(x, w, dtype):
-    return np.asarray(matmul(jnp.asarray(x, dtype), jnp.asarray(pack_weight(w, dtype)), w.shape[1]), np.float64)
+    return np.asarray(
+        matmul(jnp.asarray(x, dtype), jnp.asarray(pack_weight(w, dtype)), w.shape[1]), np.float64
+    )
 
 
 def _check_f32(got, x, w):
@@ -88,8 +101,9 @@ def test_bfloat16_in_float32_out(m, k, n):
     wr = w.astype(ml_dtypes.bfloat16).astype(np.float64)
     bound = 2 * (k + 2) * U32 * (np.abs(xr) @ np.abs(wr)) + 1e-30
     np.testing.assert_array_less(np.abs(wide - xr @ wr), bound)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16), np.float32),
-                                  np.asarray(matmul(xb, packed, n), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got.astype(jnp.bfloat16), np.float32), np.asarray(matmul(xb, packed, n), np.float32)
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -106,7 +120,9 @@ def test_under_jit_with_several_m(dtype):
         check(np.asarray(out, np.float64) / 2, x, w)
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize(
+    "dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)]
+)
 def test_num_rows_computes_leading_rows_and_zeros_the_rest(dtype, out_dtype):
     """One program (num_rows traced) serves every count: rows below it are the full product's,
     rows from it on are zeros even where x holds values (padding); counts past M mean all rows."""
@@ -208,6 +224,7 @@ def test_errors():
 
 # ---------------------------------------------------------------- quantized weights
 
+
 def _affine(k, n, bits, seed=0):
     """Random affine blocks (float16 scales and offsets, as GGUF stores them) and the float32 weight
     they stand for, computed in float64 and rounded once (the exact rebuild's value)."""
@@ -250,10 +267,13 @@ def test_quantized_weight_is_bit_identical_to_its_dense_bfloat16_weight(m, bits,
     xb = jnp.asarray(x, jnp.bfloat16)
     try:
         use_amx(amx)
-        got = np.asarray(matmul(xb, jnp.asarray(pack_quantized(codes, scale, offset)), n, out_dtype, num_rows=m),
-                         np.float64)
-        dense = np.asarray(matmul(xb, jnp.asarray(pack_weight(w, jnp.bfloat16)), n, out_dtype, num_rows=m),
-                           np.float64)
+        got = np.asarray(
+            matmul(xb, jnp.asarray(pack_quantized(codes, scale, offset)), n, out_dtype, num_rows=m),
+            np.float64,
+        )
+        dense = np.asarray(
+            matmul(xb, jnp.asarray(pack_weight(w, jnp.bfloat16)), n, out_dtype, num_rows=m), np.float64
+        )
     finally:
         use_amx(True)
     np.testing.assert_array_equal(got, dense)
@@ -267,7 +287,7 @@ def test_quantized_layout_is_as_documented():
     quant = pack_quantized(codes, scale, offset)
     for p in range(2):
         panel = quant[p]
-        params = panel[k * 16:].view("<f4").reshape(k // 32, 2, 32)
+        params = panel[k * 16 :].view("<f4").reshape(k // 32, 2, 32)
         for j in range(32):
             col = 32 * p + j
             real = col < n
@@ -277,7 +297,7 @@ def test_quantized_layout_is_as_documented():
             for b in range(k // 32):
                 assert params[b, 0, j] == (scale[b, col] if real else 0)
                 assert params[b, 1, j] == (offset[b, col] if real else 0)
-    eight = pack_quantized(codes + 16, scale, offset)     # a code above 15: one byte per code
+    eight = pack_quantized(codes + 16, scale, offset)  # a code above 15: one byte per code
     assert eight.shape == (2, k * 40) and eight[0, 32 + 3] == codes[1, 3] + 16
 
 
@@ -303,14 +323,18 @@ def test_quantized_errors():
 
 @pytest.mark.skipif(not use_amx(), reason="no AMX on this CPU (or the kernel was built without it)")
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (15, 64, 33), (17, 576, 100), (33, 1536, 64), (300, 576, 200)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 960), (15, 64, 33), (17, 576, 100), (33, 1536, 64), (300, 576, 200)]
+)
 def test_bfloat16_on_amx_tiles_and_on_vectors(m, k, n, out_dtype):
     """On an AMX CPU bfloat16 with more than 12 rows runs on tiles (K a multiple of 32), within the
     bfloat16 bound of the reference whatever the rows left over after 16 / 32; fewer rows stay on
     the vector kernel."""
     x, w = _data(m, k, n, seed=k + m)
-    call = (lambda: np.asarray(matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pack_weight(w, jnp.bfloat16)), n,
-                                      out_dtype), np.float64))
+    call = lambda: np.asarray(
+        matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pack_weight(w, jnp.bfloat16)), n, out_dtype),
+        np.float64,
+    )
     try:
         assert use_amx(False) is False
         vectors = call()
@@ -322,7 +346,7 @@ def test_bfloat16_on_amx_tiles_and_on_vectors(m, k, n, out_dtype):
         _check_bf16(got, x, w)
     if m <= 12:
         np.testing.assert_array_equal(vectors, tiles)
-    elif out_dtype == jnp.float32:    # float32 sums in another order differ somewhere: the tiles did run
+    elif out_dtype == jnp.float32:  # float32 sums in another order differ somewhere: the tiles did run
         assert not np.array_equal(vectors, tiles)
 
 
@@ -343,6 +367,7 @@ def test_auto_backend_takes_xla_for_float32_dense_weights_without_vectors(monkey
 
 # ---------------------------------------------------------------- weights stacked over layers
 
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q4", "q8"])
 def test_stacked_weight_layer_is_bit_identical_to_its_own_weight(kind):
     """``layer`` reads one weight of a stack in place: the product equals the product with that weight
@@ -359,10 +384,14 @@ def test_stacked_weight_layer_is_bit_identical_to_its_own_weight(kind):
     for layer, w in enumerate(weights):
         alone = np.asarray(matmul(x, jnp.asarray(w), n, num_rows=4))
         got = np.asarray(matmul(x, stacked, n, num_rows=4, layer=layer))
-        jitted = np.asarray(jax.jit(matmul, static_argnums=(2,), static_argnames="layer")(x, stacked, n, layer=layer))
+        jitted = np.asarray(
+            jax.jit(matmul, static_argnums=(2,), static_argnames="layer")(x, stacked, n, layer=layer)
+        )
         np.testing.assert_array_equal(got, alone)
         np.testing.assert_array_equal(jitted[:4], alone[:4])
-    assert not np.array_equal(np.asarray(matmul(x, stacked, n, layer=0)), np.asarray(matmul(x, stacked, n, layer=1)))
+    assert not np.array_equal(
+        np.asarray(matmul(x, stacked, n, layer=0)), np.asarray(matmul(x, stacked, n, layer=1))
+    )
 
 
 def test_stacked_weight_errors():
@@ -372,6 +401,6 @@ def test_stacked_weight_errors():
         with pytest.raises(ValueError, match=f"layer {layer} is not in the stacked weight"):
             matmul(jnp.asarray(x), stacked, 10, layer=layer)
     with pytest.raises(ValueError, match=r"expected a packed weight \[P, K, 32\]"):
-        matmul(jnp.asarray(x), stacked, 10)          # a stack without a layer
+        matmul(jnp.asarray(x), stacked, 10)  # a stack without a layer
     with pytest.raises(ValueError, match="K does not match"):
         matmul(jnp.asarray(x[:, :7]), stacked, 10, layer=1)

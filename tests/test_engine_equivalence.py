@@ -19,9 +19,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 VARIANTS = {
     "gqa_untied": {},
     "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
-    "mqa_bias_llama3_rope": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True,
-                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mqa_bias_llama3_rope": dict(
+        num_key_value_heads=1,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "linear_rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
@@ -41,6 +50,7 @@ def reference(tiny_model_factory, prompts):
             path, hf = tiny_model_factory(variant, **VARIANTS[variant])
             cache[variant] = path, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
         return cache[variant]
+
     return get
 
 
@@ -49,8 +59,10 @@ def assert_matches_hf(outputs, ref):
         got = out.outputs[0].token_ids
         if got != tokens:
             k = next(j for j, (a, b) in enumerate(zip(got, tokens)) if a != b)
-            pytest.fail(f"prompt {i}: tokens diverge at step {k} (HF top1-top2 margin {margins[k]:.2e}): "
-                        f"ours {got} vs HF {tokens}")
+            pytest.fail(
+                f"prompt {i}: tokens diverge at step {k} (HF top1-top2 margin {margins[k]:.2e}): "
+                f"ours {got} vs HF {tokens}"
+            )
         ours = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, got, strict=True)]
         np.testing.assert_allclose(ours, logprobs, atol=1e-3, err_msg=f"prompt {i} logprobs")
 
@@ -99,12 +111,18 @@ def test_preemption_matches_hf(reference, prompts):
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(num_scheduler_steps=5),                   # groups of 5, 5 and 1 decode steps after the prompts' step
-    dict(num_scheduler_steps=4, block_size=4, num_gpu_blocks_override=17, max_num_batched_tokens=64),  # preemption
-    dict(num_scheduler_steps=3, attention_backend="xla", max_num_batched_tokens=32),
-    dict(num_scheduler_steps=4, attention_backend="pallas_interpret", max_num_batched_tokens=32),
-], ids=["k5", "k4_preemption", "k3_xla", "k4_pallas"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_scheduler_steps=5),  # groups of 5, 5 and 1 decode steps after the prompts' step
+        dict(
+            num_scheduler_steps=4, block_size=4, num_gpu_blocks_override=17, max_num_batched_tokens=64
+        ),  # preemption
+        dict(num_scheduler_steps=3, attention_backend="xla", max_num_batched_tokens=32),
+        dict(num_scheduler_steps=4, attention_backend="pallas_interpret", max_num_batched_tokens=32),
+    ],
+    ids=["k5", "k4_preemption", "k3_xla", "k4_pallas"],
+)
 def test_multi_step_scheduling_matches_hf(engine_args, reference, prompts):
     """Several decode steps per schedule, in one program (every attention backend inside its loop)."""
     path, ref = reference("gqa_untied")
@@ -128,7 +146,7 @@ def test_requests_arriving_mid_decode_match_hf(reference, prompts):
     outs, pending = {}, list(enumerate(prompts))
     step = 0
     while pending or llm.engine.has_unfinished_requests():
-        if pending and step % 3 == 0:            # a new request every third step
+        if pending and step % 3 == 0:  # a new request every third step
             i, p = pending.pop(0)
             llm.engine.add_request(f"r{i}", p, sp)
         for o in llm.engine.step():
@@ -156,8 +174,12 @@ def test_auto_backend_on_cpu_is_the_native_kernel(reference, prompts):
     assert llm.engine.runner.model.module.attention_backend == "cpu"
 
 
-MATMUL_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
-    not native_matmul_available(), reason="native CPU matmul not built"))]
+MATMUL_BACKENDS = [
+    "xla",
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not native_matmul_available(), reason="native CPU matmul not built")
+    ),
+]
 
 
 @pytest.mark.parametrize("matmul_backend", MATMUL_BACKENDS)

@@ -30,28 +30,38 @@ def assert_still_serving(llm, tiny):
     assert eng.kv_cache_manager.num_free_blocks == eng.cache_info.num_usable_blocks
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ("", SP, "prompt is empty"),
-    ([], SP, "prompt is empty"),
-    ([1, 2, 384], SP, r"token ids must be in \[0, 384\)"),
-    ([-1, 2], SP, r"token ids must be in \[0, 384\)"),
-    (list(range(3, 70)), SP, "max_model_len is 64"),
-    (list(range(3, 50)), SamplingParams(max_tokens=20), "lower max_tokens to at most 17"),
-    (list(range(3, 20)), SamplingParams(max_tokens=40), "needs 8 KV blocks of 8 tokens but the pool has only 6"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SP, "prompt is empty"),
+        ([], SP, "prompt is empty"),
+        ([1, 2, 384], SP, r"token ids must be in \[0, 384\)"),
+        ([-1, 2], SP, r"token ids must be in \[0, 384\)"),
+        (list(range(3, 70)), SP, "max_model_len is 64"),
+        (list(range(3, 50)), SamplingParams(max_tokens=20), "lower max_tokens to at most 17"),
+        (
+            list(range(3, 20)),
+            SamplingParams(max_tokens=40),
+            "needs 8 KV blocks of 8 tokens but the pool has only 6",
+        ),
+    ],
+)
 def test_bad_request_rejected_and_engine_keeps_serving(llm, tiny, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([GOOD, prompt], params, use_tqdm=False)
     assert_still_serving(llm, tiny)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-2), "top_k must be 0 or -1"),
-    (dict(stop=[""]), "stop must be a list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k must be 0 or -1"),
+        (dict(stop=[""]), "stop must be a list of non-empty strings"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -93,16 +103,19 @@ def test_unsupported_architecture(tiny, tmp_path):
         LLM(str(tmp_path))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(block_size=3), "block_size must be a power of two"),
-    (dict(block_size=256), "block_size must be a power of two"),
-    (dict(max_model_len=100000), "exceeds the model's max_position_embeddings"),
-    (dict(kv_cache_memory=10), "kv_cache_memory=10 bytes holds 0 blocks"),
-    (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override=1: the pool needs at least 2 blocks"),
-    (dict(attention_backend="cuda-magic"), "attention_backend must be one of"),
-    (dict(quantization="gguf-q9"), "quantization must be one of"),
-    (dict(enable_chunked_prefill=False, max_num_batched_tokens=32), "chunked prefill disabled"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_size=3), "block_size must be a power of two"),
+        (dict(block_size=256), "block_size must be a power of two"),
+        (dict(max_model_len=100000), "exceeds the model's max_position_embeddings"),
+        (dict(kv_cache_memory=10), "kv_cache_memory=10 bytes holds 0 blocks"),
+        (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override=1: the pool needs at least 2 blocks"),
+        (dict(attention_backend="cuda-magic"), "attention_backend must be one of"),
+        (dict(quantization="gguf-q9"), "quantization must be one of"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=32), "chunked prefill disabled"),
+    ],
+)
 def test_bad_engine_config(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny[0]), **kwargs)
@@ -110,30 +123,65 @@ def test_bad_engine_config(tiny, kwargs, message):
 
 # ---- one request's failure inside a step (issue 52) -----------------------------------------
 
+
 def _fails_for_bad(original, request_of=lambda *args: args[0], after: int = 0, bad: str = "bad"):
     """``original`` wrapped to raise for request (or sample) ``bad`` once it has ``after`` output tokens."""
+
     def wrapper(*args, **kwargs):
         r = request_of(*args)
         if r.request_id == bad and r.num_output_tokens >= after:
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
+
     return wrapper
 
 
 INJECTIONS = {
     # where: (patch(monkeypatch), the bad request's extra sampling parameters)
-    "sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
-        SequenceSlots._write_sampling_row, lambda slots, s, r: r)), {}),
-    "penalty lists": (lambda mp: mp.setattr(batch_builder, "_host_lists", _fails_for_bad(
-        batch_builder._host_lists, after=2)), dict(repetition_penalty=1.3)),
-    "stop check": (lambda mp: mp.setattr(OutputProcessor, "_stop_status", staticmethod(_fails_for_bad(
-        OutputProcessor._stop_status, after=3))), dict(stop=["never said"])),
-    "detokenizer": (lambda mp: mp.setattr(OutputProcessor, "_passed", _fails_for_bad(
-        OutputProcessor._passed, lambda eng, r, *_: r, after=2)), dict(output_kind=RequestOutputKind.DELTA)),
-    "output": (lambda mp: mp.setattr(OutputProcessor, "_make_output", _fails_for_bad(
-        OutputProcessor._make_output, lambda eng, r: r, after=1)), {}),
-    "a fork's sampling row": (lambda mp: mp.setattr(SequenceSlots, "_write_sampling_row", _fails_for_bad(
-        SequenceSlots._write_sampling_row, lambda slots, s, r: r, bad="1_bad")), dict(n=2)),
+    "sampling row": (
+        lambda mp: mp.setattr(
+            SequenceSlots,
+            "_write_sampling_row",
+            _fails_for_bad(SequenceSlots._write_sampling_row, lambda slots, s, r: r),
+        ),
+        {},
+    ),
+    "penalty lists": (
+        lambda mp: mp.setattr(
+            batch_builder, "_host_lists", _fails_for_bad(batch_builder._host_lists, after=2)
+        ),
+        dict(repetition_penalty=1.3),
+    ),
+    "stop check": (
+        lambda mp: mp.setattr(
+            OutputProcessor,
+            "_stop_status",
+            staticmethod(_fails_for_bad(OutputProcessor._stop_status, after=3)),
+        ),
+        dict(stop=["never said"]),
+    ),
+    "detokenizer": (
+        lambda mp: mp.setattr(
+            OutputProcessor, "_passed", _fails_for_bad(OutputProcessor._passed, lambda eng, r, *_: r, after=2)
+        ),
+        dict(output_kind=RequestOutputKind.DELTA),
+    ),
+    "output": (
+        lambda mp: mp.setattr(
+            OutputProcessor,
+            "_make_output",
+            _fails_for_bad(OutputProcessor._make_output, lambda eng, r: r, after=1),
+        ),
+        {},
+    ),
+    "a fork's sampling row": (
+        lambda mp: mp.setattr(
+            SequenceSlots,
+            "_write_sampling_row",
+            _fails_for_bad(SequenceSlots._write_sampling_row, lambda slots, s, r: r, bad="1_bad"),
+        ),
+        dict(n=2),
+    ),
 }
 
 
@@ -147,8 +195,11 @@ def test_a_request_failing_in_a_step_ends_with_an_error_and_the_others_finish(ll
     good = {"good-1": [11, 12, 13], "good-2": [21, 22, 23, 24]}
     for rid, prompt in good.items():
         eng.add_request(rid, prompt, SP)
-    eng.add_request("bad", [31, 32, 33], SamplingParams(**{**dict(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                                   seed=1), **extra}))
+    eng.add_request(
+        "bad",
+        [31, 32, 33],
+        SamplingParams(**{**dict(temperature=0.0, max_tokens=6, ignore_eos=True, seed=1), **extra}),
+    )
     outs = {}
     while eng.has_unfinished_requests():
         outs.update({o.request_id: o for o in eng.step() if o.finished})

@@ -36,12 +36,19 @@ MAIN, V2 = "a" * 40, "b" * 40
 ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=129)
 PROMPT = "The quick brown fox"
 N = 12
-DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-            "max_new_tokens": 40}
+DEFAULTS = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 20,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 40,
+}
 
 
-def add_snapshot(cache: pathlib.Path, commit: str, ref: str, model_dir: pathlib.Path,
-                 generation_config: dict) -> None:
+def add_snapshot(
+    cache: pathlib.Path, commit: str, ref: str, model_dir: pathlib.Path, generation_config: dict
+) -> None:
     """``model_dir``'s files as the snapshot ``commit`` of REPO, named by ``ref`` (plain files, not links
     to blobs: huggingface_hub accepts them offline), with ``generation_config``."""
     repo = cache / f"models--{REPO.replace('/', '--')}"
@@ -87,17 +94,27 @@ def hub_llm(hub):
 def test_hub_model_greedy_matches_transformers(hub, hub_llm):
     _, models, _ = hub
     _, ids, expected = models[MAIN]
-    out = hub_llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    out = hub_llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].prompt_token_ids == ids
     assert out[0].outputs[0].token_ids == expected
 
 
 def test_generation_config_sets_the_defaults(hub_llm):
     sp = hub_llm.get_default_sampling_params()
-    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.max_tokens) == \
-        (0.7, 0.9, 20, 0.05, 1.1, 40)
-    assert hub_llm.engine.generation_defaults.sampling == {**{k: v for k, v in DEFAULTS.items()
-                                                              if k != "max_new_tokens"}, "max_tokens": 40}
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.max_tokens) == (
+        0.7,
+        0.9,
+        20,
+        0.05,
+        1.1,
+        40,
+    )
+    assert hub_llm.engine.generation_defaults.sampling == {
+        **{k: v for k, v in DEFAULTS.items() if k != "max_new_tokens"},
+        "max_tokens": 40,
+    }
 
 
 def test_generation_config_eos_stops_generation(hub, hub_llm):
@@ -105,7 +122,7 @@ def test_generation_config_eos_stops_generation(hub, hub_llm):
     stop token id does in vLLM; ignore_eos keeps going (the test above)."""
     _, models, eos = hub
     expected = models[MAIN][2]
-    expected = expected[:expected.index(eos) + 1]
+    expected = expected[: expected.index(eos) + 1]
     assert len(expected) < N
     c = hub_llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=N), use_tqdm=False)[0].outputs[0]
     assert c.token_ids == expected
@@ -118,7 +135,10 @@ def test_revision_picks_its_snapshot_and_vllm_ignores_its_defaults(hub):
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == models[V2][2] != models[MAIN][2]
     assert llm.get_default_sampling_params() == SamplingParams()
-    assert resolve_model_path(REPO, revision=V2, download_dir=str(cache)) == cache / f"models--org--tiny/snapshots/{V2}"
+    assert (
+        resolve_model_path(REPO, revision=V2, download_dir=str(cache))
+        == cache / f"models--org--tiny/snapshots/{V2}"
+    )
 
 
 def test_tokenizer_from_the_hub(hub):
@@ -135,7 +155,9 @@ def test_missing_repo_or_revision_names_what_was_tried(hub, revision):
     with pytest.raises(FileNotFoundError) as e:
         resolve_model_path(repo, revision=revision, download_dir=cache)
     msg = str(e.value)
-    assert repr(repo) in msg and repr(revision or "main") in msg and cache in msg and "HF_HUB_OFFLINE=1" in msg
+    assert (
+        repr(repo) in msg and repr(revision or "main") in msg and cache in msg and "HF_HUB_OFFLINE=1" in msg
+    )
     assert str(pathlib.Path(repo).absolute()) in msg
     with pytest.raises(FileNotFoundError, match="tokenizer 'org/absent'"):
         Tokenizer.load("org/absent", download_dir=cache)
@@ -150,19 +172,23 @@ def test_missing_local_path_is_not_looked_up(tmp_path):
 def test_hub_environment_is_honoured(hub, tmp_path, variable):
     """huggingface_hub's own environment picks the cache and offline mode (read at its import: a subprocess)."""
     cache = hub[0]
-    if variable == "HF_HOME":                  # the Hub cache is $HF_HOME/hub
+    if variable == "HF_HOME":  # the Hub cache is $HF_HOME/hub
         (tmp_path / "hub").symlink_to(cache)
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update({variable: str(cache if variable == "HF_HUB_CACHE" else tmp_path), "HF_HUB_OFFLINE": "1"})
-    code = ("from jaxpaged.weights import resolve_model_path; from jaxpaged.tokenizer import Tokenizer; "
-            f"print(resolve_model_path({REPO!r})); print(Tokenizer.load({REPO!r}).hf.name_or_path)")
+    code = (
+        "from jaxpaged.weights import resolve_model_path; from jaxpaged.tokenizer import Tokenizer; "
+        f"print(resolve_model_path({REPO!r})); print(Tokenizer.load({REPO!r}).hf.name_or_path)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(cache / f"models--org--tiny/snapshots/{MAIN}")] * 2
 
 
 def test_generation_config_modes(tmp_path, caplog):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "temperature": 0.5, "eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 0, "temperature": 0.5, "eos_token_id": 7})
+    )
     with caplog.at_level(logging.INFO, logger="jaxpaged.generation_config"):
         assert load_generation_defaults(tmp_path, "auto").sampling == {"top_k": -1, "temperature": 0.5}
     assert "default sampling parameters from" in caplog.text and "'temperature': 0.5" in caplog.text
@@ -182,7 +208,7 @@ def test_tokenizer_revision_defaults_to_the_models():
         model = EngineArgs(model=REPO, **kw).create_engine_config().model
         return model.tokenizer_source, model.tokenizer_revision
 
-    assert source(revision="v2") == (None, "v2")                     # the model's own snapshot
+    assert source(revision="v2") == (None, "v2")  # the model's own snapshot
     assert source(tokenizer_revision="v2") == (REPO, "v2")
     assert source(tokenizer="org/tok") == ("org/tok", None)
 
@@ -201,13 +227,22 @@ def test_server_request_takes_the_models_defaults_for_what_it_leaves_out(hub_llm
     engine = AsyncLLMEngine(hub_llm.engine)
     try:
         with serve(build_app(engine, "tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
-            for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "temperature": 0.0, "top_k": None, "max_tokens": 50},
-                         {"prompt": PROMPT, "max_tokens": 3, "top_p": 0.5}):
+            for body in (
+                {"prompt": PROMPT},
+                {"prompt": PROMPT, "temperature": 0.0, "top_k": None, "max_tokens": 50},
+                {"prompt": PROMPT, "max_tokens": 3, "top_p": 0.5},
+            ):
                 assert http.post("/v1/completions", json=body).status_code == 200
             chat = {"messages": [{"role": "user", "content": "hi"}]}
             assert http.post("/v1/chat/completions", json=chat).status_code == 200
     finally:
         engine.shutdown()
-    got = [(sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.max_tokens) for sp in seen]
-    assert got == [(0.7, 0.9, 20, 0.05, 1.1, 16), (0.0, 0.9, 20, 0.05, 1.1, 40), (0.7, 0.5, 20, 0.05, 1.1, 3),
-                   (0.7, 0.9, 20, 0.05, 1.1, 40)]
+    got = [
+        (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.max_tokens) for sp in seen
+    ]
+    assert got == [
+        (0.7, 0.9, 20, 0.05, 1.1, 16),
+        (0.0, 0.9, 20, 0.05, 1.1, 40),
+        (0.7, 0.5, 20, 0.05, 1.1, 3),
+        (0.7, 0.9, 20, 0.05, 1.1, 40),
+    ]

@@ -8,8 +8,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> the package it installs as (pyproject's [tool.setuptools.package-dir]).
-PACKAGES = {"jaxpaged": "jaxpaged", "models": "jaxpaged.models", "server": "jaxpaged.server",
-            "pallas_kernels": "jaxpaged.kernels"}
+PACKAGES = {
+    "jaxpaged": "jaxpaged",
+    "models": "jaxpaged.models",
+    "server": "jaxpaged.server",
+    "pallas_kernels": "jaxpaged.kernels",
+}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -26,7 +30,8 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST):
@@ -63,7 +68,7 @@ def _import_graph() -> dict[str, set[str]]:
                 targets.update(alias.name for alias in node.names)
                 continue
             base = node.module or ""
-            if node.level:    # relative: level 1 is this module's package, each further level one up
+            if node.level:  # relative: level 1 is this module's package, each further level one up
                 anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{anchor}.{base}" if base else anchor
             # `from pkg import x` imports the submodule pkg.x when there is one, else takes a name of pkg.
@@ -132,11 +137,11 @@ def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_graph_sees_lazy_relative_and_submodule_imports():
     graph = _import_graph()
-    assert "jaxpaged.kernels.cpu_attention" in graph["jaxpaged.kernels.dispatch"]   # lazy, inside a function
-    assert "jaxpaged.kernels.kv_ops" in graph["jaxpaged.kernels.dispatch"]          # `from package import module`
-    assert "jaxpaged.kernels" in graph["jaxpaged.models.decoder"]                    # a package's own names
+    assert "jaxpaged.kernels.cpu_attention" in graph["jaxpaged.kernels.dispatch"]  # lazy, inside a function
+    assert "jaxpaged.kernels.kv_ops" in graph["jaxpaged.kernels.dispatch"]  # `from package import module`
+    assert "jaxpaged.kernels" in graph["jaxpaged.models.decoder"]  # a package's own names
     hidden = ast.parse("if TYPE_CHECKING:\n    import a\nelse:\n    import b\ndef f():\n    import c\n")
-    assert [node.names[0].name for node in _imports(hidden)] == ["b", "c"]      # TYPE_CHECKING's branch skipped
+    assert [node.names[0].name for node in _imports(hidden)] == ["b", "c"]  # TYPE_CHECKING's branch skipped
 
 
 def test_no_import_circle_between_modules():

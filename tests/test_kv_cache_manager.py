@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxpaged.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager
 from jaxpaged.request import Request
@@ -63,17 +62,17 @@ def test_manager_frees_a_request_last_block_first_when_caching(caching: bool, fr
 def test_tables_grow_into_the_next_ids_while_free_and_uncached() -> None:
     pool = BlockPool(12)
     table: list[int] = []
-    pool.append_runs([table], [2])                              # an empty table: a new run at the head
-    pool.append_runs([table], [2])                              # grows in place
+    pool.append_runs([table], [2])  # an empty table: a new run at the head
+    pool.append_runs([table], [2])  # grows in place
     assert table == [1, 2, 3, 4]
-    assert pool.allocate(1) == [5]                              # the head; filled, published, freed
+    assert pool.allocate(1) == [5]  # the head; filled, published, freed
     pool.cache(5, block_hash=123, token_ids=(1,), parent=b"root")
     pool.free([5])
     # 5 is free but caches a block: taking it out of LRU order would evict it early, so the table
     # continues in a new run from the head (6) instead.
     pool.append_runs([table], [2])
     assert table == [1, 2, 3, 4, 6, 7] and pool.num_cached_blocks == 1
-    with pytest.raises(ValueError, match="only 5 free"):       # all or nothing
+    with pytest.raises(ValueError, match="only 5 free"):  # all or nothing
         pool.append_runs([table, []], [2, 4])
     assert len(table) == 6 and pool.num_free_blocks == 5
 
@@ -82,15 +81,15 @@ def test_a_new_run_keeps_room_to_grow_after_it() -> None:
     pool = BlockPool(40)
     a: list[int] = []
     b: list[int] = []
-    pool.append_runs([a, b], [2, 2], room=4)                    # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
+    pool.append_runs([a, b], [2, 2], room=4)  # a: 1, 2 (room 3 .. 6); b: 7, 8 (room 9 .. 12)
     assert (a, b) == ([1, 2], [7, 8])
-    for _ in range(4):                                          # interleaved growth stays consecutive
+    for _ in range(4):  # interleaved growth stays consecutive
         pool.append_runs([a, b], [1, 1])
     assert (a, b) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
-    pool.append_runs([a], [1], room=4)                          # past its room (7 is b's): a new run at
-    assert a[-1] == 13                                          # the head, which keeps LATER_RUN_ROOM
-    assert pool.allocate(2) == [30, 31]                         # blocks (14 .. 29) at the tail: a table
-    pool.append_runs([a], [2])                                  # placed at the head leaves them for a
+    pool.append_runs([a], [1], room=4)  # past its room (7 is b's): a new run at
+    assert a[-1] == 13  # the head, which keeps LATER_RUN_ROOM
+    assert pool.allocate(2) == [30, 31]  # blocks (14 .. 29) at the tail: a table
+    pool.append_runs([a], [2])  # placed at the head leaves them for a
     assert a[-3:] == [13, 14, 15]
 
 
@@ -102,14 +101,16 @@ def test_with_prefix_caching_freed_tables_are_reused_in_runs_in_lru_order() -> N
     run its next run keeps room as well. Both tables stay in runs, interleaved decodes included, and
     nothing is evicted but the blocks taken."""
     kv = KVCacheManager(num_blocks=40, block_size=2, enable_caching=True)
-    fillers = [Request(f"f{i}", list(range(100 * i, 100 * i + 25)), SamplingParams(), max_tokens=1, seed=0)
-               for i in range(3)]
-    for f in fillers:                                           # 13 blocks each, 12 full: the whole pool
+    fillers = [
+        Request(f"f{i}", list(range(100 * i, 100 * i + 25)), SamplingParams(), max_tokens=1, seed=0)
+        for i in range(3)
+    ]
+    for f in fillers:  # 13 blocks each, 12 full: the whole pool
         assert kv.allocate_slots(f, 25)
     assert [f.block_ids[0] for f in fillers] == [1, 14, 27] and kv.pool.num_cached_blocks == 36
     for f in fillers:
-        kv.free(f)                                              # the queue: 13 .. 1, 26 .. 14, 39 .. 27
-    reqs = [make_request("a", 3), make_request("b", 5)]        # room: 16 output tokens, 8 blocks more
+        kv.free(f)  # the queue: 13 .. 1, 26 .. 14, 39 .. 27
+    reqs = [make_request("a", 3), make_request("b", 5)]  # room: 16 output tokens, 8 blocks more
     for r in reqs:
         assert kv.allocate_slots(r, r.num_prompt_tokens)
         r.num_computed_tokens = r.num_prompt_tokens
@@ -184,8 +185,9 @@ def test_incref_of_free_block_raises() -> None:
     assert pool.ref_count(1) == 0
 
 
-@pytest.mark.parametrize("block_size,num_tokens,expected",
-                         [(1, 0, 0), (1, 7, 7), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)])
+@pytest.mark.parametrize(
+    "block_size,num_tokens,expected", [(1, 0, 0), (1, 7, 7), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)]
+)
 def test_blocks_needed(block_size: int, num_tokens: int, expected: int) -> None:
     assert KVCacheManager(4, block_size).blocks_needed(num_tokens) == expected
 
@@ -200,18 +202,18 @@ def test_allocate_slots_grows_block_table_only_when_needed() -> None:
     req = make_request("a", 10)
     assert kv.allocate_slots(req, 10) and len(req.block_ids) == 3
     req.num_computed_tokens = 10
-    assert kv.allocate_slots(req, 1) and len(req.block_ids) == 3   # token 11 fits block 3
+    assert kv.allocate_slots(req, 1) and len(req.block_ids) == 3  # token 11 fits block 3
     req.num_computed_tokens = 11
-    assert kv.allocate_slots(req, 2) and len(req.block_ids) == 4   # token 13 needs block 4
+    assert kv.allocate_slots(req, 2) and len(req.block_ids) == 4  # token 13 needs block 4
     assert kv.num_free_blocks == 5 and kv.usage == pytest.approx(4 / 9)
 
 
 def test_allocate_slots_is_all_or_nothing() -> None:
-    kv = KVCacheManager(num_blocks=4, block_size=2)   # 3 usable blocks
+    kv = KVCacheManager(num_blocks=4, block_size=2)  # 3 usable blocks
     other = make_request("other", 2)
     assert kv.allocate_slots(other, 2)
     req = make_request("a", 6)
-    assert not kv.allocate_slots(req, 6)               # needs 3, only 2 free
+    assert not kv.allocate_slots(req, 6)  # needs 3, only 2 free
     assert req.block_ids == [] and kv.num_free_blocks == 2
     assert kv.allocate_slots(req, 4) and len(req.block_ids) == 2 and kv.num_free_blocks == 0
 
@@ -244,8 +246,9 @@ def test_grow_tables_matches_allocate_slots_one_by_one(num_new: int) -> None:
     batch.grow_tables(b)
     assert [r.block_ids for r in a] == [r.block_ids for r in b]
     assert [len(r.block_ids) for r in b] == [-(-r.num_computed_tokens // 4) for r in b]
-    assert ([(c.request.request_id, c.first) for c in one.take_changed_tables()]
-            == [(c.request.request_id, c.first) for c in batch.take_changed_tables()])
+    assert [(c.request.request_id, c.first) for c in one.take_changed_tables()] == [
+        (c.request.request_id, c.first) for c in batch.take_changed_tables()
+    ]
     assert one.pool.num_cached_blocks == batch.pool.num_cached_blocks
     assert one.num_free_blocks == batch.num_free_blocks
     # The last request's third block, full with its output token, is published as its fourth opens:
@@ -268,7 +271,7 @@ def test_decoded_blocks_of_output_tokens_are_hit_by_a_later_prompt(tokens_per_gr
         r.num_computed_tokens += tokens_per_grow
         kv.grow_tables([r])
         r.output_token_ids += [next(outputs) for _ in range(tokens_per_grow)]
-    r.num_computed_tokens += tokens_per_grow            # the next step opens a block: 0-3 are full, known
+    r.num_computed_tokens += tokens_per_grow  # the next step opens a block: 0-3 are full, known
     kv.grow_tables([r])
     assert r.num_tokens >= 17 and len(r.block_ids) >= 5
     full = Request("full", r.all_token_ids[:16] + [7], SamplingParams(), max_tokens=1, seed=0)
@@ -280,10 +283,10 @@ def test_decoded_blocks_of_output_tokens_are_hit_by_a_later_prompt(tokens_per_gr
 
 
 def test_grow_tables_short_pool_raises_and_changes_nothing() -> None:
-    kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True)     # 4 usable blocks
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_caching=True)  # 4 usable blocks
     reqs = _decoding(kv, [[1, 2, 3, 4], [5, 6, 7, 8]])
     for r in reqs:
-        r.num_computed_tokens += 5                      # 9 tokens: two more blocks each, 2 free
+        r.num_computed_tokens += 5  # 9 tokens: two more blocks each, 2 free
     before = [list(r.block_ids) for r in reqs]
     with pytest.raises(ValueError, match="only 2 free"):
         kv.grow_tables(reqs)
@@ -324,8 +327,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         held = sorted(self.refs.elements())
-        idx = data.draw(st.lists(st.integers(0, len(held) - 1), min_size=1, max_size=len(held),
-                                 unique=True))
+        idx = data.draw(st.lists(st.integers(0, len(held) - 1), min_size=1, max_size=len(held), unique=True))
         blocks = [held[i] for i in idx]
         self.pool.free(blocks)
         self.refs.subtract(blocks)
@@ -396,7 +398,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert ok == (missing <= free_before)
         if ok:
             req.num_computed_tokens += num_new
-            assert req.block_ids[:len(blocks_before)] == blocks_before
+            assert req.block_ids[: len(blocks_before)] == blocks_before
         else:
             assert req.block_ids == blocks_before and self.kv.num_free_blocks == free_before
 

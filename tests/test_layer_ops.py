@@ -11,9 +11,16 @@ import pytest
 import torch
 
 from jaxpaged.models.decoder import Norm, activate, apply_rope, rope_tables
-from jaxpaged.kernels.cpu_layer_ops import cpu_rms_norm, cpu_rope_qkv, cpu_silu_and_mul, native_layer_ops_available
+from jaxpaged.kernels.cpu_layer_ops import (
+    cpu_rms_norm,
+    cpu_rope_qkv,
+    cpu_silu_and_mul,
+    native_layer_ops_available,
+)
 
-needs_kernels = pytest.mark.skipif(not native_layer_ops_available(), reason="native CPU layer kernels not built")
+needs_kernels = pytest.mark.skipif(
+    not native_layer_ops_available(), reason="native CPU layer kernels not built"
+)
 
 
 def _to_torch(a: jax.Array) -> torch.Tensor:
@@ -23,13 +30,17 @@ def _to_torch(a: jax.Array) -> torch.Tensor:
 
 
 def _f32(a) -> np.ndarray:
-    return np.asarray(a.float().numpy() if isinstance(a, torch.Tensor) else jnp.asarray(a).astype(jnp.float32))
+    return np.asarray(
+        a.float().numpy() if isinstance(a, torch.Tensor) else jnp.asarray(a).astype(jnp.float32)
+    )
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 1, 1, 32), (7, 3, 1, 64), (64, 9, 3, 64),
-                                                             (5, 2, 2, 128), (3, 4, 2, 40)])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim",
+    [(1, 1, 1, 32), (7, 3, 1, 64), (64, 9, 3, 64), (5, 2, 2, 128), (3, 4, 2, 40)],
+)
 def test_native_rotary_matches_torch(dtype, tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
     """q and k come out of the fused projection rotated as HF's ``q * cos + rotate_half(q) * sin`` rounds
     them in torch, bit for bit in both dtypes, and v as its slice; in bfloat16 also bit for bit the
@@ -44,14 +55,18 @@ def test_native_rotary_matches_torch(dtype, tokens: int, heads: int, kv_heads: i
     cos = _to_torch(C.reshape(tokens, 1, head_dim))
     sin = -_to_torch(S.reshape(tokens, 1, head_dim)[..., : head_dim // 2]).repeat(1, 1, 2)
     half = head_dim // 2
-    for out, part in ((q, qkv[:, :q_size].reshape(tokens, heads, head_dim)),
-                      (k, qkv[:, q_size:q_size + kv_size].reshape(tokens, kv_heads, head_dim))):
+    for out, part in (
+        (q, qkv[:, :q_size].reshape(tokens, heads, head_dim)),
+        (k, qkv[:, q_size : q_size + kv_size].reshape(tokens, kv_heads, head_dim)),
+    ):
         x = _to_torch(part)
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         np.testing.assert_array_equal(_f32(out), _f32(x * cos + rotated * sin))
         if dtype == jnp.bfloat16:
             np.testing.assert_array_equal(_f32(out), _f32(jax.jit(apply_rope)(part, C, S)))
-    np.testing.assert_array_equal(_f32(v), _f32(qkv[:, q_size + kv_size:].reshape(tokens, kv_heads, head_dim)))
+    np.testing.assert_array_equal(
+        _f32(v), _f32(qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, head_dim))
+    )
 
 
 @needs_kernels
@@ -100,7 +115,7 @@ def test_native_rms_norm_matches_torch(dtype, tokens: int, d: int) -> None:
     hf = _f32(_torch_rms_norm(hf_total, _to_torch(weight), eps))
     np.testing.assert_array_equal(_f32(total), _f32(hf_total))
     np.testing.assert_array_equal(_f32(normed), _f32(alone))
-    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -22
+    ulp = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-22
     np.testing.assert_allclose(_f32(normed), hf, rtol=ulp, atol=1e-6)
 
     module = Norm("rmsnorm", eps, dtype)
@@ -112,18 +127,28 @@ def test_native_rms_norm_matches_torch(dtype, tokens: int, d: int) -> None:
 def test_native_bfloat16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
     """The fused add's sum rounded to bfloat16 as torch rounds it: halfway cases to even, overflow to
     infinity, NaN kept NaN, in a row's full vectors and in its masked tail (d = 40 = 16 + 16 + 8)."""
-    cases = [(1.0, 2.0 ** -8), (1 + 2.0 ** -7, 2.0 ** -8), (-1 - 2.0 ** -7, -2.0 ** -8), (3.0, 2.0 ** -7),
-             (np.inf, 1.0), (np.inf, -np.inf), (np.nan, 1.0), (3.3895e38, 3.3895e38), (-0.0, -0.0), (0.5, -0.5)]
+    cases = [
+        (1.0, 2.0**-8),
+        (1 + 2.0**-7, 2.0**-8),
+        (-1 - 2.0**-7, -(2.0**-8)),
+        (3.0, 2.0**-7),
+        (np.inf, 1.0),
+        (np.inf, -np.inf),
+        (np.nan, 1.0),
+        (3.3895e38, 3.3895e38),
+        (-0.0, -0.0),
+        (0.5, -0.5),
+    ]
     h, residual = np.zeros((2, 40), np.float32), np.zeros((2, 40), np.float32)
     for i, (a, b) in enumerate(cases):
-        for j in (i, 30 + i):                               # lanes of full vectors, then of the tail
+        for j in (i, 30 + i):  # lanes of full vectors, then of the tail
             h[i % 2, j], residual[i % 2, j] = a, b
     h, residual = jnp.asarray(h, jnp.bfloat16), jnp.asarray(residual, jnp.bfloat16)
     total, _ = cpu_rms_norm(h, jnp.ones(40, jnp.bfloat16), 1e-5, residual)
     want = _f32(_to_torch(h) + _to_torch(residual))
-    assert np.isnan(want).sum() == 4 and np.isinf(want).sum() == 4    # the cases are what they claim
+    assert np.isnan(want).sum() == 4 and np.isinf(want).sum() == 4  # the cases are what they claim
     np.testing.assert_array_equal(_f32(total), want)
-    numbers = ~np.isnan(want)                               # a NaN's sign is the hardware's choice
+    numbers = ~np.isnan(want)  # a NaN's sign is the hardware's choice
     np.testing.assert_array_equal(np.signbit(_f32(total))[numbers], np.signbit(want)[numbers])
 
 
@@ -156,15 +181,18 @@ def test_native_rms_norm_reads_a_stacked_weight_in_place(dtype) -> None:
         stacked = jax.jit(lambda h, r, w: cpu_rms_norm(h, w, 1e-5, r, layer=layer))(h, residual, weights)
         for got, want in zip(stacked, alone):
             np.testing.assert_array_equal(_f32(got), _f32(want))
-        np.testing.assert_array_equal(_f32(cpu_rms_norm(h, weights, 1e-5, layer=layer)),
-                                      _f32(cpu_rms_norm(h, weights[layer], 1e-5)))
-        xla = Norm("rmsnorm", 1e-5, dtype, num_layers=3).apply({"params": {"weight": weights}}, h, layer=layer)
+        np.testing.assert_array_equal(
+            _f32(cpu_rms_norm(h, weights, 1e-5, layer=layer)), _f32(cpu_rms_norm(h, weights[layer], 1e-5))
+        )
+        xla = Norm("rmsnorm", 1e-5, dtype, num_layers=3).apply(
+            {"params": {"weight": weights}}, h, layer=layer
+        )
         own = Norm("rmsnorm", 1e-5, dtype).apply({"params": {"weight": weights[layer]}}, h)
         np.testing.assert_array_equal(_f32(xla), _f32(own))
     with pytest.raises(ValueError, match="layer 3 is not in the stacked weight"):
         cpu_rms_norm(h, weights, 1e-5, layer=3)
     with pytest.raises(ValueError, match=r"h\[T, d\]"):
-        cpu_rms_norm(h, weights, 1e-5)                  # a stack without a layer
+        cpu_rms_norm(h, weights, 1e-5)  # a stack without a layer
 
 
 @needs_kernels
@@ -199,7 +227,7 @@ def test_native_silu_and_mul_matches_torch(dtype, tokens: int, n: int) -> None:
     if dtype == jnp.bfloat16:
         np.testing.assert_array_equal(native, hf)
     else:
-        np.testing.assert_allclose(native, hf, rtol=2.0 ** -21, atol=0)
+        np.testing.assert_allclose(native, hf, rtol=2.0**-21, atol=0)
         np.testing.assert_array_equal(np.signbit(native), np.signbit(hf))
         xla = _f32(jax.jit(lambda g, u: activate("silu", g) * u)(gate, up))
         assert (native != hf).mean() <= (xla != hf).mean()

@@ -23,7 +23,7 @@ import torch
 import transformers
 import yaml
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))      # benchmarks/, as a package
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # benchmarks/, as a package
 
 from benchmarks.serving import free_port, jaxpaged_command, start_server, stop_server  # noqa: E402
 
@@ -57,9 +57,16 @@ MC_ITEMS = [  # (question, choices, index of the right one)
     ("What do bees make?", ["milk", "honey", "silk", "wool"], 1),
     ("Which is the largest ocean?", ["the Pacific", "the Atlantic", "the Indian Ocean", "the Arctic"], 0),
 ]
-GEN_ITEMS = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8"), ("What is 9 - 2?", "7"), ("What is 3 times 3?", "9"),
-             ("What is 10 + 10?", "20"), ("What is 6 - 5?", "1"), ("What is 12 divided by 4?", "3"),
-             ("What is 7 + 1?", "8")]
+GEN_ITEMS = [
+    ("What is 2 + 3?", "5"),
+    ("What is 4 + 4?", "8"),
+    ("What is 9 - 2?", "7"),
+    ("What is 3 times 3?", "9"),
+    ("What is 10 + 10?", "20"),
+    ("What is 6 - 5?", "1"),
+    ("What is 12 divided by 4?", "3"),
+    ("What is 7 + 1?", "8"),
+]
 
 
 @contextlib.contextmanager
@@ -94,25 +101,46 @@ def float32_dir(tmp_path_factory, hf_smollm2_model, smollm2_tokenizer) -> pathli
 def task_dir(tmp_path_factory) -> pathlib.Path:
     """The two tasks' YAMLs (for ``--include_path``) and their JSONL data."""
     path = tmp_path_factory.mktemp("lm_eval_tasks")
-    data = {"jaxpaged_mc": [dict(question=q, choices=c, answer=a) for q, c, a in MC_ITEMS],
-            "jaxpaged_gen": [dict(question=q, answer=a) for q, a in GEN_ITEMS]}
+    data = {
+        "jaxpaged_mc": [dict(question=q, choices=c, answer=a) for q, c, a in MC_ITEMS],
+        "jaxpaged_gen": [dict(question=q, answer=a) for q, a in GEN_ITEMS],
+    }
     tasks = {
-        "jaxpaged_mc": dict(output_type="multiple_choice", doc_to_text="Question: {{question}}\nAnswer:",
-                            doc_to_choice="{{choices}}", doc_to_target="{{answer}}", metric_list=[{"metric": "acc"}]),
+        "jaxpaged_mc": dict(
+            output_type="multiple_choice",
+            doc_to_text="Question: {{question}}\nAnswer:",
+            doc_to_choice="{{choices}}",
+            doc_to_target="{{answer}}",
+            metric_list=[{"metric": "acc"}],
+        ),
         # The model answers "2 + 3 = 5": the last number of the first line is its answer.
-        "jaxpaged_gen": dict(output_type="generate_until", doc_to_text="{{question}} Reply with the number only.",
-                             doc_to_target="{{answer}}",
-                             generation_kwargs=dict(until=["\n"], max_gen_toks=16, do_sample=False),
-                             filter_list=[dict(name="last_number", filter=[
-                                 dict(function="regex", regex_pattern=r"(-?\d+)", group_select=-1),
-                                 dict(function="take_first")])],
-                             metric_list=[{"metric": "exact_match"}]),
+        "jaxpaged_gen": dict(
+            output_type="generate_until",
+            doc_to_text="{{question}} Reply with the number only.",
+            doc_to_target="{{answer}}",
+            generation_kwargs=dict(until=["\n"], max_gen_toks=16, do_sample=False),
+            filter_list=[
+                dict(
+                    name="last_number",
+                    filter=[
+                        dict(function="regex", regex_pattern=r"(-?\d+)", group_select=-1),
+                        dict(function="take_first"),
+                    ],
+                )
+            ],
+            metric_list=[{"metric": "exact_match"}],
+        ),
     }
     for name, config in tasks.items():
         jsonl = path / f"{name}.jsonl"
         jsonl.write_text("".join(json.dumps(item) + "\n" for item in data[name]))
-        config = dict(task=name, dataset_path="json", dataset_kwargs={"data_files": {"test": str(jsonl)}},
-                      test_split="test", **config)
+        config = dict(
+            task=name,
+            dataset_path="json",
+            dataset_kwargs={"data_files": {"test": str(jsonl)}},
+            test_split="test",
+            **config,
+        )
         (path / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -120,22 +148,53 @@ def task_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def served(float32_dir, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
-    with jaxpaged_serve(log, str(float32_dir), "--dtype", "float32", "--served-model-name", SERVED,
-                        "--max-model-len", "512", "--max-num-seqs", "8") as url:
+    with jaxpaged_serve(
+        log,
+        str(float32_dir),
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        SERVED,
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+    ) as url:
         yield url
 
 
-def lm_eval(out: pathlib.Path, task_dir: pathlib.Path, model: str, model_args: str, *flags: str) -> list[dict]:
+def lm_eval(
+    out: pathlib.Path, task_dir: pathlib.Path, model: str, model_args: str, *flags: str
+) -> list[dict]:
     """Runs the ``lm_eval`` command on one task of ``task_dir`` with ``--log_samples``; prints its
     table and returns its samples in document order."""
     proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--include_path",
-         str(task_dir), "--output_path", str(out), "--log_samples", *flags],
-        cwd=out.parent, capture_output=True, text=True, timeout=600,
-        env={**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(out.parent / "datasets")})
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            model,
+            "--model_args",
+            model_args,
+            "--include_path",
+            str(task_dir),
+            "--output_path",
+            str(out),
+            "--log_samples",
+            *flags,
+        ],
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(out.parent / "datasets")},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    print(f"\nlm_eval --model {model} {' '.join(flags)}:\n" + "\n".join(
-        line for line in proc.stdout.splitlines() if line.startswith("|")))
+    print(
+        f"\nlm_eval --model {model} {' '.join(flags)}:\n"
+        + "\n".join(line for line in proc.stdout.splitlines() if line.startswith("|"))
+    )
     (samples,) = out.glob("*/samples_*.jsonl")
     return sorted(map(json.loads, samples.read_text().splitlines()), key=lambda s: s["doc_id"])
 
@@ -146,12 +205,27 @@ def choice_logprobs(samples: list[dict]) -> list[list[float]]:
 
 
 def test_multiple_choice_through_local_completions_matches_hf(served, float32_dir, task_dir, tmp_path):
-    hf = lm_eval(tmp_path / "hf", task_dir, "hf", f"pretrained={float32_dir},dtype=float32",
-                 "--tasks", "jaxpaged_mc", "--device", "cpu", "--batch_size", "8")
-    ours = lm_eval(tmp_path / "ours", task_dir, "local-completions",
-                   f"model={SERVED},base_url={served}/v1/completions,tokenizer={float32_dir},"
-                   "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=4,max_retries=1",
-                   "--tasks", "jaxpaged_mc")
+    hf = lm_eval(
+        tmp_path / "hf",
+        task_dir,
+        "hf",
+        f"pretrained={float32_dir},dtype=float32",
+        "--tasks",
+        "jaxpaged_mc",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "8",
+    )
+    ours = lm_eval(
+        tmp_path / "ours",
+        task_dir,
+        "local-completions",
+        f"model={SERVED},base_url={served}/v1/completions,tokenizer={float32_dir},"
+        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=4,max_retries=1",
+        "--tasks",
+        "jaxpaged_mc",
+    )
     assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in hf] == list(range(len(MC_ITEMS)))
     hf_lp, our_lp = choice_logprobs(hf), choice_logprobs(ours)
     worst = max(abs(h - o) for hs, ps in zip(hf_lp, our_lp) for h, o in zip(hs, ps, strict=True))
@@ -160,18 +234,36 @@ def test_multiple_choice_through_local_completions_matches_hf(served, float32_di
     # The same answers, but for at most one near-tie (its two choices' logprobs within TIE in hf's scores).
     flipped = [i for i, (h, o) in enumerate(zip(hf_lp, our_lp)) if h.index(max(h)) != o.index(max(o))]
     assert len(flipped) <= 1 and all(
-        abs(max(hf_lp[i]) - hf_lp[i][our_lp[i].index(max(our_lp[i]))]) < TIE for i in flipped), flipped
+        abs(max(hf_lp[i]) - hf_lp[i][our_lp[i].index(max(our_lp[i]))]) < TIE for i in flipped
+    ), flipped
     assert abs(sum(s["acc"] for s in ours) - sum(s["acc"] for s in hf)) <= len(flipped)
     # Not every answer right nor wrong, so the accuracy measured something.
     assert 0 < sum(s["acc"] for s in hf) < len(MC_ITEMS)
 
 
 def test_generate_until_through_local_chat_completions_matches_hf(served, float32_dir, task_dir, tmp_path):
-    hf = lm_eval(tmp_path / "hf", task_dir, "hf", f"pretrained={float32_dir},dtype=float32",
-                 "--tasks", "jaxpaged_gen", "--apply_chat_template", "--device", "cpu", "--batch_size", "8")
-    ours = lm_eval(tmp_path / "ours", task_dir, "local-chat-completions",
-                   f"model={SERVED},base_url={served}/v1/chat/completions,num_concurrent=4,max_retries=1",
-                   "--tasks", "jaxpaged_gen", "--apply_chat_template")
+    hf = lm_eval(
+        tmp_path / "hf",
+        task_dir,
+        "hf",
+        f"pretrained={float32_dir},dtype=float32",
+        "--tasks",
+        "jaxpaged_gen",
+        "--apply_chat_template",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "8",
+    )
+    ours = lm_eval(
+        tmp_path / "ours",
+        task_dir,
+        "local-chat-completions",
+        f"model={SERVED},base_url={served}/v1/chat/completions,num_concurrent=4,max_retries=1",
+        "--tasks",
+        "jaxpaged_gen",
+        "--apply_chat_template",
+    )
     # Greedy in float32 on the same weights and chat template: the same replies, so the same scores.
     assert [s["resps"] for s in ours] == [s["resps"] for s in hf]
     assert all(s["resps"][0][0].strip() for s in ours)

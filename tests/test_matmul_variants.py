@@ -35,8 +35,24 @@ def targets(tmp_path_factory) -> dict[str, tuple[str, str]]:
     out, libraries = {}, []
     for name, target in runnable_variants().items():
         path = tmp_path_factory.mktemp(name) / "matmul_cpu.so"
-        subprocess.run([CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-fopenmp-simd", "-ffp-contract=off", "-w",
-                        *target, f"-I{include}", str(CSRC / "matmul_cpu.cc"), "-o", str(path)], check=True)
+        subprocess.run(
+            [
+                CXX,
+                "-std=c++17",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-fopenmp-simd",
+                "-ffp-contract=off",
+                "-w",
+                *target,
+                f"-I{include}",
+                str(CSRC / "matmul_cpu.cc"),
+                "-o",
+                str(path),
+            ],
+            check=True,
+        )
         lib = ctypes.CDLL(str(path))
         assert lib.JaxpagedMatmulVectorized() == (name != "portable"), name
         names = (f"jaxpaged_test_matmul_{name}", f"jaxpaged_test_matmul_quant_{name}")
@@ -50,7 +66,9 @@ def targets(tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 def _call(target: str, x, packed, n: int, out_dtype, rows: int) -> np.ndarray:
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return np.asarray(call(x, jnp.asarray(packed), jnp.asarray(rows, jnp.int32), layer=np.int64(0)).astype(jnp.float32))
+    return np.asarray(
+        call(x, jnp.asarray(packed), jnp.asarray(rows, jnp.int32), layer=np.int64(0)).astype(jnp.float32)
+    )
 
 
 def _problem(m: int, k: int, n: int, seed: int):
@@ -60,14 +78,20 @@ def _problem(m: int, k: int, n: int, seed: int):
     x = rng.standard_normal((m, k), dtype=np.float32)
     kq = -(-k // QUANT_BLOCK) * QUANT_BLOCK
     codes = rng.integers(0, 16, (kq, n))
-    scale = (rng.uniform(0.5, 1.5, (kq // QUANT_BLOCK, n)) / 8 / np.sqrt(k)).astype(np.float16).astype(np.float32)
+    scale = (
+        (rng.uniform(0.5, 1.5, (kq // QUANT_BLOCK, n)) / 8 / np.sqrt(k)).astype(np.float16).astype(np.float32)
+    )
     offset = (-scale * 7.5).astype(np.float16).astype(np.float32)
-    w = codes * np.repeat(scale, QUANT_BLOCK, 0) + np.repeat(offset, QUANT_BLOCK, 0)   # exact product, one rounding
+    w = codes * np.repeat(scale, QUANT_BLOCK, 0) + np.repeat(
+        offset, QUANT_BLOCK, 0
+    )  # exact product, one rounding
     return x, (codes, scale, offset), w[:k].astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype, out_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                              (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize(
+    "dtype, out_dtype",
+    [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+)
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_every_variant_matches_numpy_and_its_quantized_weights(targets, m, k, n, dtype, out_dtype):
     """Dense products within float32 rounding of numpy's float64 product (of the bfloat16-rounded
@@ -121,7 +145,9 @@ def test_variants_differ_where_they_should(targets):
     round each product before adding it, the vector kernels fuse them."""
     x, _, w = _problem(8, 512, 64, seed=3)
     packed = pack_weight(w, jnp.float32)
-    outs = {name: _call(dense, jnp.asarray(x), packed, 64, jnp.float32, 8) for name, (dense, _) in targets.items()}
+    outs = {
+        name: _call(dense, jnp.asarray(x), packed, 64, jnp.float32, 8) for name, (dense, _) in targets.items()
+    }
     vectors = [name for name in outs if name != "portable"]
     if not vectors:
         pytest.skip("this CPU runs only the portable variant")

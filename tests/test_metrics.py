@@ -20,8 +20,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxpaged import EngineArgs, LLMEngine, SamplingParams
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server import build_app
-from test_server import (ENGINE_ARGS, MODEL, SlowEngine, client, engine, metric, serve, sse_events,  # noqa: F401
-                         url, wait_until_idle)              # (client, engine, url: the fixtures)
+from test_server import (
+    ENGINE_ARGS,
+    MODEL,
+    SlowEngine,
+    client,  # noqa: F401 (a fixture)
+    engine,  # noqa: F401 (a fixture)
+    metric,
+    serve,
+    sse_events,
+    url,  # noqa: F401 (a fixture)
+    wait_until_idle,
+)
 
 # Every series that vLLM's example Grafana dashboards query, with its metric's type: vLLM 0.33.0's sdist,
 # examples/observability/prometheus_grafana/grafana.json and examples/observability/dashboards/grafana/
@@ -92,11 +102,19 @@ def test_dashboard_series_are_exposed_from_the_start(tiny_kv_url):
     types, series = scrape(tiny_kv_url)
     for name, kind in DASHBOARD_SERIES.items():
         assert types.get(name) == kind, name
-        assert all(labels["model_name"] == MODEL and labels["engine"] == "0" for labels, _ in series[name]), name
-    assert {labels["finished_reason"] for labels, _ in series["vllm:request_success_total"]} >= {"stop", "length"}
+        assert all(labels["model_name"] == MODEL and labels["engine"] == "0" for labels, _ in series[name]), (
+            name
+        )
+    assert {labels["finished_reason"] for labels, _ in series["vllm:request_success_total"]} >= {
+        "stop",
+        "length",
+    }
     # Without the flag, jaxpaged: names only for jaxpaged's own metrics.
     assert {name for name in types if name.startswith("jaxpaged:")} == {
-        "jaxpaged:kv_cache_free_blocks", "jaxpaged:kv_cache_usable_blocks", "jaxpaged:engine_alive"}
+        "jaxpaged:kv_cache_free_blocks",
+        "jaxpaged:kv_cache_usable_blocks",
+        "jaxpaged:engine_alive",
+    }
 
 
 def test_dashboard_series_move_under_load(tiny_kv_url):
@@ -104,8 +122,10 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
     preempted. Nine run to their length, three stop on a stop token id after three tokens; half stream."""
     url = tiny_kv_url
     before = totals(url)
-    reasons_before = {reason: labelled(url, "vllm:request_success_total", finished_reason=reason)
-                      for reason in ("length", "stop")}
+    reasons_before = {
+        reason: labelled(url, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("length", "stop")
+    }
     peaks = dict.fromkeys(GAUGES, 0.0)
     done = threading.Event()
 
@@ -117,10 +137,17 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
             time.sleep(0.01)
 
     def body(i: int) -> dict:
-        prompt = [20 + i, *range(100, 100 + 4 * i)]      # distinct first blocks: no prefix-cache hits
+        prompt = [20 + i, *range(100, 100 + 4 * i)]  # distinct first blocks: no prefix-cache hits
         stop = {"min_tokens": 3, "stop_token_ids": list(range(384))} if i % 4 == 3 else {}
-        return {"model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stream": i % 2 == 0,
-                **({"stream_options": {"include_usage": True}} if i % 2 == 0 else {}), **stop}
+        return {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": i % 2 == 0,
+            **({"stream_options": {"include_usage": True}} if i % 2 == 0 else {}),
+            **stop,
+        }
 
     async def send(client: httpx.AsyncClient, i: int) -> tuple[str, dict]:
         resp = await client.post("/v1/completions", json=body(i))
@@ -128,8 +155,10 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
         if not body(i)["stream"]:
             out = resp.json()
             return out["choices"][0]["finish_reason"], out["usage"]
-        chunks = [json.loads(e) for e in sse_events(resp)[:-1]]        # the last event is [DONE]
-        [reason] = [choice["finish_reason"] for c in chunks for choice in c["choices"] if choice["finish_reason"]]
+        chunks = [json.loads(e) for e in sse_events(resp)[:-1]]  # the last event is [DONE]
+        [reason] = [
+            choice["finish_reason"] for c in chunks for choice in c["choices"] if choice["finish_reason"]
+        ]
         return reason, chunks[-1]["usage"]
 
     async def main() -> list[tuple[str, dict]]:
@@ -145,7 +174,11 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
         watcher.join()
     # A streamed request is counted once its stream has ended, a moment after its last chunk.
     deadline = time.monotonic() + 30
-    while totals(url)["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] < 12:
+    while (
+        totals(url)["vllm:e2e_request_latency_seconds_count"]
+        - before["vllm:e2e_request_latency_seconds_count"]
+        < 12
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     wait_until_idle(url)
@@ -167,12 +200,23 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
     assert moved["vllm:prompt_tokens_total"] == prompt_tokens
     assert moved["vllm:generation_tokens_total"] == sum(completion_tokens)
     for reason, count in [("length", 9), ("stop", 3)]:
-        assert labelled(url, "vllm:request_success_total", finished_reason=reason) - reasons_before[reason] == count
-    per_request = ["e2e_request_latency_seconds", "time_to_first_token_seconds",
-                   "request_time_per_output_token_seconds", "request_queue_time_seconds",
-                   "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
-                   "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
-                   "request_params_n"]
+        assert (
+            labelled(url, "vllm:request_success_total", finished_reason=reason) - reasons_before[reason]
+            == count
+        )
+    per_request = [
+        "e2e_request_latency_seconds",
+        "time_to_first_token_seconds",
+        "request_time_per_output_token_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_max_num_generation_tokens",
+        "request_params_n",
+    ]
     for name in per_request:
         assert moved[f"vllm:{name}_count"] == 12, name
     assert moved["vllm:request_prompt_tokens_sum"] == prompt_tokens
@@ -183,29 +227,51 @@ def test_dashboard_series_move_under_load(tiny_kv_url):
     assert moved["vllm:inter_token_latency_seconds_count"] == sum(n - 1 for n in completion_tokens)
     assert moved["vllm:iteration_tokens_total_sum"] >= prompt_tokens + sum(n - 1 for n in completion_tokens)
     # vLLM's intervals add up: e2e = queued + inference, inference = prefill + decode, TTFT = queued + prefill.
-    s = {name: moved[f"vllm:{name}_seconds_sum"] for name in ["e2e_request_latency", "request_queue_time",
-                                                             "request_inference_time", "request_prefill_time",
-                                                             "request_decode_time", "time_to_first_token"]}
+    s = {
+        name: moved[f"vllm:{name}_seconds_sum"]
+        for name in [
+            "e2e_request_latency",
+            "request_queue_time",
+            "request_inference_time",
+            "request_prefill_time",
+            "request_decode_time",
+            "time_to_first_token",
+        ]
+    }
     assert s["e2e_request_latency"] == pytest.approx(s["request_queue_time"] + s["request_inference_time"])
     assert s["request_inference_time"] == pytest.approx(s["request_prefill_time"] + s["request_decode_time"])
     assert s["time_to_first_token"] == pytest.approx(s["request_queue_time"] + s["request_prefill_time"])
-    assert s["request_queue_time"] > 0          # four of them waited for a sequence slot
+    assert s["request_queue_time"] > 0  # four of them waited for a sequence slot
 
 
 def test_token_metrics_count_streamed_and_non_streamed_requests(client, url):
     """Generated tokens, request, per-token latency and sample counts in ``/metrics``: a streamed n = 2
     request (delta outputs) counts every token of both samples, as the non-streamed one does, and the
     gaps before all but each sample's first token."""
-    kw = dict(model=MODEL, prompt="Paged attention", max_tokens=7, n=2, temperature=1.0, seed=2,
-              extra_body={"ignore_eos": True})
-    names = ["vllm:generation_tokens_total", "vllm:request_success_total",
-             "vllm:request_time_per_output_token_seconds_count", "vllm:request_params_n_sum",
-             "vllm:request_max_num_generation_tokens_sum", "vllm:inter_token_latency_seconds_count"]
+    kw = dict(
+        model=MODEL,
+        prompt="Paged attention",
+        max_tokens=7,
+        n=2,
+        temperature=1.0,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
+    names = [
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:request_time_per_output_token_seconds_count",
+        "vllm:request_params_n_sum",
+        "vllm:request_max_num_generation_tokens_sum",
+        "vllm:inter_token_latency_seconds_count",
+    ]
     for stream in (False, True):
         wait_until_idle(url)
         before = [metric(url, name) for name in names]
         if stream:
-            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            chunks = list(
+                client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+            )
             usage = chunks[-1].usage
         else:
             usage = client.completions.create(**kw).usage
@@ -215,11 +281,11 @@ def test_token_metrics_count_streamed_and_non_streamed_requests(client, url):
 
 
 def test_prefix_cache_metrics(client, url):
-    prompt = list(range(100, 140))                        # 40 tokens: two full 16-token blocks
+    prompt = list(range(100, 140))  # 40 tokens: two full 16-token blocks
     kw = dict(model=MODEL, prompt=prompt, max_tokens=2)
     client.completions.create(**kw, extra_body={"cache_salt": "first"})
     hits = metric(url, "vllm:prefix_cache_hits_total")
-    client.completions.create(**kw, extra_body={"cache_salt": "other"})   # another salt: no sharing
+    client.completions.create(**kw, extra_body={"cache_salt": "other"})  # another salt: no sharing
     assert metric(url, "vllm:prefix_cache_hits_total") == hits
     queries = metric(url, "vllm:prefix_cache_queries_total")
     client.completions.create(**kw, extra_body={"cache_salt": "first"})
@@ -239,7 +305,11 @@ def test_jaxpaged_names_and_cache_config(engine):
         assert types[twin] == types[name] and series[twin] == series[name], name
     [(labels, value)] = series["vllm:cache_config_info"]
     assert value == 1 and labels["block_size"] == "8" and labels["engine"] == "0"
-    assert labels["num_gpu_blocks"] == labels["num_gpu_blocks_override"] == str(ENGINE_ARGS["num_gpu_blocks_override"])
+    assert (
+        labels["num_gpu_blocks"]
+        == labels["num_gpu_blocks_override"]
+        == str(ENGINE_ARGS["num_gpu_blocks_override"])
+    )
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
@@ -247,10 +317,13 @@ def test_step_stats_count_a_gap_before_every_token_but_the_first(tiny, num_sched
     """``vllm:inter_token_latency_seconds`` counts one gap per output token but each sample's first, whatever
     the step's shape: samples that run to their length, forked samples (n = 2), and samples ending on a stop
     token while their next token was in flight (dropped); with multi-step batches too."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), num_scheduler_steps=num_scheduler_steps,
-                                                   **ENGINE_ARGS))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny[0]), num_scheduler_steps=num_scheduler_steps, **ENGINE_ARGS)
+    )
     stop_early = SamplingParams(max_tokens=20, min_tokens=5, stop_token_ids=list(range(384)), n=2, seed=3)
-    for i, sp in enumerate([SamplingParams(max_tokens=9, ignore_eos=True, seed=i) for i in range(3)] + [stop_early]):
+    for i, sp in enumerate(
+        [SamplingParams(max_tokens=9, ignore_eos=True, seed=i) for i in range(3)] + [stop_early]
+    ):
         engine.add_request(f"r{i}", [30 + i, 7, 8, 9], sp)
     finished = []
     while engine.has_unfinished_requests():

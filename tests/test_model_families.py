@@ -15,27 +15,54 @@ from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
 from jaxpaged.models import registry
-from jaxpaged.models.decoder import (ACTIVATIONS, DecoderForCausalLM, activate, column_sections, init_params, layer_name,
-                            pack_for_matmul_backend, parallel_style, stack_layers)
+from jaxpaged.models.decoder import (
+    ACTIVATIONS,
+    DecoderForCausalLM,
+    activate,
+    column_sections,
+    init_params,
+    layer_name,
+    pack_for_matmul_backend,
+    parallel_style,
+    stack_layers,
+)
 from jaxpaged.kernels import AttentionMetadata
 from jaxpaged.kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate
 from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 
 COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LLAMA_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=128)
-OPT_SIZES = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
-WINDOW = 8      # shorter than most prompts: keys older than the window must drop out
+LLAMA_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+OPT_SIZES = dict(
+    hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128
+)
+WINDOW = 8  # shorter than most prompts: keys older than the window must drop out
 
 FAMILIES = {
     "opt_pre_ln": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, do_layer_norm_before=True)),
     "opt_post_ln": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, do_layer_norm_before=False)),
     "opt_project": (OPTConfig, "OPTForCausalLM", dict(OPT_SIZES, word_embed_proj_dim=32)),
     "gpt2": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
-    "gpt2_unscaled_untied": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                                                  n_inner=96, scale_attn_weights=False,
-                                                                  tie_word_embeddings=False)),
+    "gpt2_unscaled_untied": (
+        GPT2Config,
+        "GPT2LMHeadModel",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            n_inner=96,
+            scale_attn_weights=False,
+            tie_word_embeddings=False,
+        ),
+    ),
     "mistral_window": (MistralConfig, "MistralForCausalLM", dict(LLAMA_SIZES, sliding_window=WINDOW)),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", LLAMA_SIZES),
 }
@@ -56,10 +83,12 @@ def prompts():
 @pytest.fixture(scope="module")
 def family(tmp_path_factory, tiny_tokenizer_dir):
     """``family(name) -> (dir, HF model)``, each saved once."""
+
     @functools.cache
     def get(name):
         path = tmp_path_factory.mktemp(f"family-{name}")
         return path, save_tiny_model(path, tiny_tokenizer_dir, hf_config(name))
+
     return get
 
 
@@ -73,8 +102,9 @@ def reference(family, prompts):
 def test_family_matches_hf_with_chunked_prefill_and_preemption(name, family, reference, prompts):
     """Mixed-length prompts, chunks of at most 16 tokens, and a pool of 16 blocks of 4 tokens
     that cannot hold all six sequences (up to 52 tokens each)."""
-    llm, outs = generate(family(name)[0], prompts, block_size=4, max_num_batched_tokens=16,
-                         num_gpu_blocks_override=17)
+    llm, outs = generate(
+        family(name)[0], prompts, block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=17
+    )
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert_matches_hf(outs, reference(name))
 
@@ -103,8 +133,12 @@ def test_prefix_cache_hits_match_hf(family):
 
 def test_pallas_interpret_backend_sliding_window_matches_hf(family, reference, prompts):
     """The Pallas kernel (interpret mode) on three prompts longer than the window, chunked."""
-    _, outs = generate(family("mistral_window")[0], prompts[2:5], attention_backend="pallas_interpret",
-                       max_num_batched_tokens=32)
+    _, outs = generate(
+        family("mistral_window")[0],
+        prompts[2:5],
+        attention_backend="pallas_interpret",
+        max_num_batched_tokens=32,
+    )
     assert_matches_hf(outs, reference("mistral_window")[2:5])
 
 
@@ -121,18 +155,22 @@ def test_seeded_sampling_logprobs_match_hf(family, prompts):
         tokens = out.outputs[0].token_ids
         assert tokens == out2.outputs[0].token_ids
         ours = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
-        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
         theirs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy()
         np.testing.assert_allclose(ours, theirs, atol=1e-3)
 
 
 # ---------------------------------------------------------------- config readers and weight mappers
 
+
 def test_unsupported_architecture_lists_the_supported_ones():
     config = hf_config("gpt2")
     config.architectures = ["FancyNewForCausalLM"]
-    with pytest.raises(ValueError, match="supported: .*GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM"
-                                         ".*OPTForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match="supported: .*GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM"
+        ".*OPTForCausalLM.*Qwen2ForCausalLM",
+    ):
         registry.build_model(config, {}, np.float32, "xla")
 
 
@@ -142,11 +180,17 @@ def test_gpt2_rejects_unsupported_options(option):
         registry.config_from_hf(hf_config("gpt2", **{option: True}))
 
 
-@pytest.mark.parametrize("overrides, window", [
-    (dict(use_sliding_window=False, sliding_window=WINDOW), None),
-    (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0), WINDOW),  # every layer slides
-    (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), None),   # no layer slides
-])
+@pytest.mark.parametrize(
+    "overrides, window",
+    [
+        (dict(use_sliding_window=False, sliding_window=WINDOW), None),
+        (
+            dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+            WINDOW,
+        ),  # every layer slides
+        (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), None),  # no layer slides
+    ],
+)
 def test_qwen2_sliding_window_per_layer_types(overrides, window):
     _, cfg = registry.config_from_hf(hf_config("qwen2", **overrides))
     assert cfg.sliding_window == window and cfg.qkv_bias and not cfg.o_bias
@@ -158,11 +202,14 @@ def test_qwen2_mixed_window_layers_are_rejected():
         registry.config_from_hf(config)
 
 
-@pytest.mark.parametrize("name, shape", [
-    ("opt_project", registry.ModelShape(2, 4, 16, VOCAB, 128)),
-    ("gpt2", registry.ModelShape(2, 4, 16, VOCAB, 128)),
-    ("mistral_window", registry.ModelShape(2, 2, 16, VOCAB, 128)),
-])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("opt_project", registry.ModelShape(2, 4, 16, VOCAB, 128)),
+        ("gpt2", registry.ModelShape(2, 4, 16, VOCAB, 128)),
+        ("mistral_window", registry.ModelShape(2, 2, 16, VOCAB, 128)),
+    ],
+)
 def test_model_shape(name, shape):
     assert registry.model_shape(registry.config_from_hf(hf_config(name))[1]) == shape
 
@@ -175,8 +222,10 @@ def test_checkpoints_without_the_wrapper_prefix_load_the_same(name, prefix, fami
     full = registry.build_model(ckpt.config, ckpt.tensors, np.float32, "xla").params
     stripped = registry.build_model(ckpt.config, bare, np.float32, "xla").params
     assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(stripped)
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(full),
-                                                      jax.tree_util.tree_leaves(stripped)))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(stripped))
+    )
 
 
 def test_missing_and_misshapen_tensors_are_named(family):
@@ -210,8 +259,12 @@ def test_tensor_parallel_rules_cover_the_param_tree(name):
 
 def _noisy(params: dict) -> dict:
     """Host params with noise added (so that biases and norms are not all 0 or 1)."""
-    return jax.tree_util.tree_map(lambda a: np.asarray(a) + np.random.default_rng(a.size).standard_normal(a.shape)
-                                  .astype(np.float32) / 8, params)
+    return jax.tree_util.tree_map(
+        lambda a: (
+            np.asarray(a) + np.random.default_rng(a.size).standard_normal(a.shape).astype(np.float32) / 8
+        ),
+        params,
+    )
 
 
 @pytest.mark.skipif(not native_matmul_available(), reason="native matmul kernel not built")
@@ -230,24 +283,39 @@ def test_native_matmul_params_are_stacked_over_layers(name):
         assert not any(k.startswith("layers_") for k in packed)
         for keys, leaf in jax.tree_util.tree_leaves_with_path(packed["layers"]):
             path = [k.key for k in keys]
-            own = [functools.reduce(lambda node, key: node[key], path, params[layer_name(i)]) for i in range(layers)]
+            own = [
+                functools.reduce(lambda node, key: node[key], path, params[layer_name(i)])
+                for i in range(layers)
+            ]
             if path[-1] == "kernel":
                 own = [pack_weight(w, np.float32) for w in own]
             np.testing.assert_array_equal(leaf, np.stack(own), err_msg=str(path))
     assert len(num_leaves) == 1
 
-    T, bs = 5, 8     # one sequence of T tokens in block 1
-    md = AttentionMetadata(slot_mapping=np.arange(T, dtype=np.int32) + bs, block_tables=np.ones((1, 1), np.int32),
-                           seq_lens=np.array([T], np.int32), query_start_loc=np.array([0, T], np.int32),
-                           tile_row=np.zeros(0, np.int32), tile_start=np.zeros(0, np.int32),
-                           tile_len=np.zeros(0, np.int32))
+    T, bs = 5, 8  # one sequence of T tokens in block 1
+    md = AttentionMetadata(
+        slot_mapping=np.arange(T, dtype=np.int32) + bs,
+        block_tables=np.ones((1, 1), np.int32),
+        seq_lens=np.array([T], np.int32),
+        query_start_loc=np.array([0, T], np.int32),
+        tile_row=np.zeros(0, np.int32),
+        tile_start=np.zeros(0, np.int32),
+        tile_len=np.zeros(0, np.int32),
+    )
     kv = jax.numpy.zeros((cfg.num_layers, 2, 2, bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
     logits = {}
     for backend in ("xla", "cpu"):
         module = DecoderForCausalLM(cfg, np.float32, "xla", matmul_backend=backend)
-        logits[backend] = np.asarray(module.apply({"params": pack_for_matmul_backend(params, cfg, np.float32, backend)},
-                                                  np.arange(3, 3 + T, dtype=np.int32), np.arange(T, dtype=np.int32),
-                                                  kv, md, np.array([T - 1], np.int32))[0])
+        logits[backend] = np.asarray(
+            module.apply(
+                {"params": pack_for_matmul_backend(params, cfg, np.float32, backend)},
+                np.arange(3, 3 + T, dtype=np.int32),
+                np.arange(T, dtype=np.int32),
+                kv,
+                md,
+                np.array([T - 1], np.int32),
+            )[0]
+        )
     np.testing.assert_allclose(logits["cpu"], logits["xla"], rtol=1e-4, atol=1e-4)
 
 
@@ -260,25 +328,43 @@ def test_a_kernel_kind_quantized_in_some_layers_only_runs_dense_in_all():
     rng = np.random.default_rng(0)
 
     def blocks(k, n):
-        return (rng.integers(0, 16, (k, n)), rng.standard_normal((k // 32, n)).astype(np.float32),
-                rng.standard_normal((k // 32, n)).astype(np.float32))
+        return (
+            rng.integers(0, 16, (k, n)),
+            rng.standard_normal((k // 32, n)).astype(np.float32),
+            rng.standard_normal((k // 32, n)).astype(np.float32),
+        )
+
     o_blocks = [blocks(*params[layer_name(i)]["o_proj"]["kernel"].shape) for i in range(2)]
     for i in range(2):
         params[layer_name(i)]["o_proj"]["kernel_blocks"] = o_blocks[i]
-    params[layer_name(0)]["qkv_proj"]["kernel_blocks"] = blocks(*params[layer_name(0)]["qkv_proj"]["kernel"].shape)
+    params[layer_name(0)]["qkv_proj"]["kernel_blocks"] = blocks(
+        *params[layer_name(0)]["qkv_proj"]["kernel"].shape
+    )
     layers = pack_for_matmul_backend(params, cfg, np.float32, "cpu")["layers"]
-    np.testing.assert_array_equal(layers["o_proj"]["kernel"], np.stack([pack_quantized(*b) for b in o_blocks]))
-    np.testing.assert_array_equal(layers["qkv_proj"]["kernel"], np.stack(
-        [pack_weight(params[layer_name(i)]["qkv_proj"]["kernel"], np.float32) for i in range(2)]))
+    np.testing.assert_array_equal(
+        layers["o_proj"]["kernel"], np.stack([pack_quantized(*b) for b in o_blocks])
+    )
+    np.testing.assert_array_equal(
+        layers["qkv_proj"]["kernel"],
+        np.stack([pack_weight(params[layer_name(i)]["qkv_proj"]["kernel"], np.float32) for i in range(2)]),
+    )
 
 
-_LAYERS_KEY = {"opt_pre_ln": "num_hidden_layers", "gpt2_unscaled_untied": "n_layer", "qwen2": "num_hidden_layers"}
+_LAYERS_KEY = {
+    "opt_pre_ln": "num_hidden_layers",
+    "gpt2_unscaled_untied": "n_layer",
+    "qwen2": "num_hidden_layers",
+}
 
 
-TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,
-                     "relu": torch.nn.functional.relu, "gelu": torch.nn.functional.gelu,
-                     "gelu_new": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
-                     "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh")}
+TORCH_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "swish": torch.nn.functional.silu,
+    "relu": torch.nn.functional.relu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_new": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
 # XLA's float32 erf and tanh differ from torch's by more than their last bit, which after rounding
 # to bfloat16 shows on some inputs: the GELUs agree on 92% / 97% (a bfloat16 composite of jnp ops,
 # rounding after each step: 75% / 57%). SiLU and ReLU agree everywhere (the composite SiLU: 61%).
@@ -304,16 +390,25 @@ def test_float32_models_ask_for_float32_dots_on_gpus(name, dtype):
     TF32; a bfloat16 model's dots keep the default (its 16-bit inputs are exact on tensor cores)."""
     _, cfg = registry.config_from_hf(hf_config(name))
     T, bs = 5, 8
-    md = AttentionMetadata(slot_mapping=np.arange(T, dtype=np.int32) + bs, block_tables=np.ones((1, 1), np.int32),
-                           seq_lens=np.array([T], np.int32), query_start_loc=np.array([0, T], np.int32),
-                           tile_row=np.zeros(1, np.int32), tile_start=np.zeros(1, np.int32),
-                           tile_len=np.array([T], np.int32), tile_size=8)
+    md = AttentionMetadata(
+        slot_mapping=np.arange(T, dtype=np.int32) + bs,
+        block_tables=np.ones((1, 1), np.int32),
+        seq_lens=np.array([T], np.int32),
+        query_start_loc=np.array([0, T], np.int32),
+        tile_row=np.zeros(1, np.int32),
+        tile_start=np.zeros(1, np.int32),
+        tile_len=np.array([T], np.int32),
+        tile_size=8,
+    )
     kv = jax.ShapeDtypeStruct((cfg.num_layers, 2, 2, bs, cfg.num_kv_heads, cfg.head_dim), dtype)
     module = DecoderForCausalLM(cfg, dtype, "xla")
     params = jax.eval_shape(lambda: init_params(cfg, dtype))
     ids = np.arange(3, 3 + T, dtype=np.int32)
-    lowered = jax.jit(module.apply).trace({"params": params}, ids, np.arange(T, dtype=np.int32), kv, md,
-                                          np.array([T - 1], np.int32)).lower(lowering_platforms=("cuda",))
+    lowered = (
+        jax.jit(module.apply)
+        .trace({"params": params}, ids, np.arange(T, dtype=np.int32), kv, md, np.array([T - 1], np.int32))
+        .lower(lowering_platforms=("cuda",))
+    )
     dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
     # qkv, o, MLP (2) per layer, the head, and the attention's two passes (decode, prefill) x 2 dots.
     assert len(dots) >= 4 * cfg.num_layers + 1 + 4 * cfg.num_layers
@@ -324,15 +419,23 @@ def _greedy_forward(module, params, prompt: list[int], n: int, block_size: int =
     """Greedy tokens and logits from the forward alone: the prompt in one step, then one decode step per
     token, one sequence whose KV lives in blocks 1..``blocks`` of the page array."""
     cfg = module.cfg
-    kv = jax.numpy.zeros((cfg.num_layers, 2, blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim), module.dtype)
+    kv = jax.numpy.zeros(
+        (cfg.num_layers, 2, blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim), module.dtype
+    )
     table = np.arange(1, blocks + 1, dtype=np.int32)[None]
     step = jax.jit(module.apply)
     ids, pos = np.asarray(prompt, np.int32), np.arange(len(prompt), dtype=np.int32)
     tokens, logits = [], []
     for _ in range(n):
-        md = AttentionMetadata(slot_mapping=pos + block_size, block_tables=table, seq_lens=pos[-1:] + 1,
-                               query_start_loc=np.array([0, len(ids)], np.int32), tile_row=np.zeros(0, np.int32),
-                               tile_start=np.zeros(0, np.int32), tile_len=np.zeros(0, np.int32))
+        md = AttentionMetadata(
+            slot_mapping=pos + block_size,
+            block_tables=table,
+            seq_lens=pos[-1:] + 1,
+            query_start_loc=np.array([0, len(ids)], np.int32),
+            tile_row=np.zeros(0, np.int32),
+            tile_start=np.zeros(0, np.int32),
+            tile_len=np.zeros(0, np.int32),
+        )
         out, kv = step({"params": params}, ids, pos, kv, md, np.array([len(ids) - 1], np.int32))
         logits.append(np.asarray(out[0]))
         tokens.append(int(np.argmax(logits[-1])))
@@ -353,8 +456,9 @@ def test_layer_scan_computes_what_the_unrolled_layers_compute(name, backend):
     params = _noisy(init_params(cfg, np.float32))
     prompt = [5, 9, 3, 17, 4, 8, 11]
     unrolled = _greedy_forward(DecoderForCausalLM(cfg, np.float32, backend), params, prompt, 6)
-    scanned = _greedy_forward(DecoderForCausalLM(cfg, np.float32, backend, scan_layers=True),
-                              stack_layers(params, cfg), prompt, 6)
+    scanned = _greedy_forward(
+        DecoderForCausalLM(cfg, np.float32, backend, scan_layers=True), stack_layers(params, cfg), prompt, 6
+    )
     assert scanned[0] == unrolled[0]
     np.testing.assert_allclose(scanned[1], unrolled[1], rtol=0, atol=1e-5)
 
@@ -363,11 +467,19 @@ def test_layer_scan_refuses_the_native_cpu_kernels():
     """The scan passes the layer index traced, which the native CPU kernels do not take."""
     _, cfg = registry.config_from_hf(hf_config("qwen2"))
     module = DecoderForCausalLM(cfg, np.float32, "xla", matmul_backend="cpu", scan_layers=True)
-    md = AttentionMetadata(slot_mapping=np.zeros(1, np.int32), block_tables=np.zeros((1, 1), np.int32),
-                           seq_lens=np.ones(1, np.int32), query_start_loc=np.array([0, 1], np.int32),
-                           tile_row=np.zeros(0, np.int32), tile_start=np.zeros(0, np.int32),
-                           tile_len=np.zeros(0, np.int32))
+    md = AttentionMetadata(
+        slot_mapping=np.zeros(1, np.int32),
+        block_tables=np.zeros((1, 1), np.int32),
+        seq_lens=np.ones(1, np.int32),
+        query_start_loc=np.array([0, 1], np.int32),
+        tile_row=np.zeros(0, np.int32),
+        tile_start=np.zeros(0, np.int32),
+        tile_len=np.zeros(0, np.int32),
+    )
     kv = np.zeros((cfg.num_layers, 2, 2, 1, cfg.num_kv_heads, cfg.head_dim), np.float32)
     with pytest.raises(ValueError, match="scan_layers"):
-        jax.eval_shape(lambda: module.init(jax.random.key(0), np.zeros(1, np.int32), np.zeros(1, np.int32), kv, md,
-                                           np.zeros(1, np.int32)))
+        jax.eval_shape(
+            lambda: module.init(
+                jax.random.key(0), np.zeros(1, np.int32), np.zeros(1, np.int32), kv, md, np.zeros(1, np.int32)
+            )
+        )

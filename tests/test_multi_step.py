@@ -18,7 +18,9 @@ from tiny_models import hf_greedy, random_prompts
 
 
 def _engine(path, **kw) -> LLMEngine:
-    args = dict(model=str(path), block_size=4, max_num_batched_tokens=32, max_num_seqs=6, num_gpu_blocks_override=80)
+    args = dict(
+        model=str(path), block_size=4, max_num_batched_tokens=32, max_num_seqs=6, num_gpu_blocks_override=80
+    )
     return LLMEngine.from_engine_args(EngineArgs(**{**args, **kw}))
 
 
@@ -32,6 +34,7 @@ def _record_steps(engine: LLMEngine) -> list[int]:
         if out.requests:
             seen.append(out.num_steps)
         return out
+
     engine.scheduler.schedule = recorded
     return seen
 
@@ -43,10 +46,26 @@ def _workload(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
     a presence penalty (also kept out)."""
     rng = np.random.default_rng(11)
     extra = random_prompts(rng, [6, 13])
-    return [*mixed_workload(vocab),
-            ("r8", extra[0], SamplingParams(temperature=1.0, seed=2, max_tokens=26, ignore_eos=True, top_k=5,
-                                            output_kind=RequestOutputKind.DELTA)),
-            ("r9", extra[1], SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True))]
+    return [
+        *mixed_workload(vocab),
+        (
+            "r8",
+            extra[0],
+            SamplingParams(
+                temperature=1.0,
+                seed=2,
+                max_tokens=26,
+                ignore_eos=True,
+                top_k=5,
+                output_kind=RequestOutputKind.DELTA,
+            ),
+        ),
+        (
+            "r9",
+            extra[1],
+            SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True),
+        ),
+    ]
 
 
 def _run(engine: LLMEngine, workload, arrive_every: int = 3, abort: tuple[str, int] | None = None) -> dict:
@@ -65,7 +84,9 @@ def _run(engine: LLMEngine, workload, arrive_every: int = 3, abort: tuple[str, i
             samples = got.setdefault(out.request_id, {})
             for c in out.outputs:
                 ids, text = samples.get(c.index, ([], ""))[:2]
-                ids, text = (ids + c.token_ids, text + c.text) if out.request_id in delta else (c.token_ids, c.text)
+                ids, text = (
+                    (ids + c.token_ids, text + c.text) if out.request_id in delta else (c.token_ids, c.text)
+                )
                 samples[c.index] = (list(ids), text, c.finish_reason, c.stop_reason, c.cumulative_logprob)
         step += 1
     assert engine.kv_cache_manager.num_free_blocks == engine.cache_info.num_usable_blocks
@@ -105,19 +126,24 @@ def test_generate_outputs_match_single_steps_and_hf(tiny):
     vocab = hf.config.vocab_size
     prompts = random_prompts(np.random.default_rng(4), [5, 18, 9, 26, 3, 12])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 6, 1, 23)]
-    params += [SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=list(range(3, vocab, 9))),
-               SamplingParams(temperature=0.8, seed=9, max_tokens=19, ignore_eos=True)]
+    params += [
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=list(range(3, vocab, 9))),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=19, ignore_eos=True),
+    ]
     args = dict(block_size=4, max_num_seqs=4, num_gpu_blocks_override=80)
     want = LLM(str(path), **args).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(path), num_scheduler_steps=5, **args)
     steps = _record_steps(llm.engine)
     step, calls = llm.engine.step, []
-    llm.engine.step = lambda: step() if len(calls) < 200 and not calls.append(1) else pytest.fail("unfinished")
+    llm.engine.step = lambda: (
+        step() if len(calls) < 200 and not calls.append(1) else pytest.fail("unfinished")
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     assert steps.count(5) >= 3
     for g, w in zip(got, want, strict=True):
-        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == \
-            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs]
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs
+        ]
     assert got[4].outputs[0].finish_reason == "stop" and len(got[4].outputs[0].token_ids) < 20
     for i in range(4):
         assert got[i].outputs[0].token_ids == hf_greedy(hf, prompts[i], params[i].max_tokens)[0]
@@ -147,8 +173,12 @@ def _scheduler(num_blocks: int = 64, k: int = 4, max_seqs: int = 4) -> Scheduler
 
 def _decoding(sched: Scheduler, max_tokens: list[int], prompt_len: int = 6) -> list[Request]:
     """Requests whose prompts ran in one step and whose first tokens are taken in."""
-    reqs = [Request(f"d{i}", [7] * prompt_len, SamplingParams(max_tokens=m), max_tokens=m, seed=0, multi_step=True)
-            for i, m in enumerate(max_tokens)]
+    reqs = [
+        Request(
+            f"d{i}", [7] * prompt_len, SamplingParams(max_tokens=m), max_tokens=m, seed=0, multi_step=True
+        )
+        for i, m in enumerate(max_tokens)
+    ]
     for r in reqs:
         sched.add_request(r)
     out = sched.schedule()
@@ -170,7 +200,11 @@ def test_a_group_gives_each_row_its_steps_and_blocks():
     assert out.start_positions == [6, 6, 6] and out.num_host_tokens == [1, 1, 1] and all(out.samples)
     assert [r.num_computed_tokens for r in (a, b, c)] == [10, 8, 7]
     assert [r.num_output_placeholders for r in (a, b, c)] == [4, 2, 1]
-    assert [len(r.block_ids) for r in (a, b, c)] == [kv.blocks_needed(10), kv.blocks_needed(8), kv.blocks_needed(7)]
+    assert [len(r.block_ids) for r in (a, b, c)] == [
+        kv.blocks_needed(10),
+        kv.blocks_needed(8),
+        kv.blocks_needed(7),
+    ]
     # Before those tokens are taken in (async scheduling): b and c have every output in flight and sit
     # out; a's next group starts at the token in flight.
     out = sched.schedule()
@@ -181,7 +215,7 @@ def test_a_group_gives_each_row_its_steps_and_blocks():
 def test_groups_wait_for_every_running_request_and_for_admissions():
     sched = _scheduler(k=4, max_seqs=3)
     a, b, c = _decoding(sched, [30, 30, 30])
-    c.multi_step = False                   # penalties, min_tokens or a beam: one step at a time
+    c.multi_step = False  # penalties, min_tokens or a beam: one step at a time
     out = sched.schedule()
     assert out.num_steps == 1 and out.num_new_tokens == [1, 1, 1]
     for r in (a, b, c):
@@ -204,16 +238,18 @@ def test_groups_wait_for_every_running_request_and_for_admissions():
 
 
 def test_a_group_the_pool_cannot_hold_falls_back_to_one_step_allocating_nothing_more():
-    sched = _scheduler(num_blocks=6, k=4)          # 5 usable blocks
+    sched = _scheduler(num_blocks=6, k=4)  # 5 usable blocks
     kv = sched.kv_cache_manager
-    a, b = _decoding(sched, [14, 14])              # 6-token prompts: 2 blocks each, room for 2 more tokens
+    a, b = _decoding(sched, [14, 14])  # 6-token prompts: 2 blocks each, room for 2 more tokens
     assert kv.num_free_blocks == 1
-    out = sched.schedule()                         # a group would need 2 more blocks
+    out = sched.schedule()  # a group would need 2 more blocks
     assert out.num_steps == 1 and out.num_new_tokens == [1, 1] and out.preempted == []
     assert kv.num_free_blocks == 1 and [len(r.block_ids) for r in (a, b)] == [2, 2]
 
 
 @pytest.mark.parametrize("bad", [0, -2, MAX_SCHEDULER_STEPS + 1, True, 2.5, "4"])
 def test_num_scheduler_steps_is_validated(bad):
-    with pytest.raises(ValueError, match=f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}"):
+    with pytest.raises(
+        ValueError, match=f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}"
+    ):
         EngineArgs(num_scheduler_steps=bad).create_engine_config()

@@ -13,9 +13,14 @@ from jaxpaged.kernels.cpu_matmul import native_matmul_available
 from jaxpaged.kernels.native import register_cpu_targets
 
 
-@pytest.mark.parametrize("stem,available", [("_matmul_cpu", native_matmul_available),
-                                            ("_paged_attention_cpu", native_kernel_available),
-                                            ("_layer_ops_cpu", native_layer_ops_available)])
+@pytest.mark.parametrize(
+    "stem,available",
+    [
+        ("_matmul_cpu", native_matmul_available),
+        ("_paged_attention_cpu", native_kernel_available),
+        ("_layer_ops_cpu", native_layer_ops_available),
+    ],
+)
 def test_a_built_kernel_loads(stem, available):
     here = Path(jaxpaged.kernels.__file__).parent
     built = any((here / f"{stem}{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)

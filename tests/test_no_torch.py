@@ -53,8 +53,13 @@ print(json.dumps({"prompt": prompt, "tokens": out.outputs[0].token_ids, "text": 
 def without_torch() -> dict:
     """What the child process reports (its last stdout line)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(MESSAGES), str(MAX_TOKENS)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(MESSAGES), str(MAX_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
 
@@ -63,8 +68,9 @@ def test_generates_without_torch_as_transformers_does(without_torch, smollm2_ggu
     """The prompt's ids are transformers' (its GGUF tokenizer and chat template), the greedy tokens
     are transformers' model's on that file, and the server app serves the same text."""
     reference = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    prompt = list(reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+    prompt = list(
+        reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     assert without_torch["prompt"] == prompt
     tokens, _, margins = hf_greedy(hf_smollm2_model, prompt, MAX_TOKENS)
     assert without_torch["tokens"] == tokens, f"HF top1-top2 margins {margins}"

@@ -59,7 +59,7 @@ def test_convert_writes_card_params_and_tokenizer(converted):
     assert card["params"]["layers_1/qkv_proj/kernel"] == {"shape": [64, 128], "dtype": "float32"}
     assert (f32 / "params").is_dir() and (f32 / "tokenizer.json").is_file()
     assert resolve_model_path(str(f32)) == f32
-    assert cli(["convert", "--model", str(src), "--output", str(f32)]) == 2   # refuses a non-empty output
+    assert cli(["convert", "--model", str(src), "--output", str(f32)]) == 2  # refuses a non-empty output
 
 
 def test_load_is_bit_identical(converted):
@@ -68,7 +68,10 @@ def test_load_is_bit_identical(converted):
     assert ckpt.format == "orbax" and ckpt.tensors == {}
     assert ckpt.config.to_dict() == load_checkpoint(str(src)).config.to_dict()
     assert_trees_identical(ckpt.params, reference_params(src, "float32"))
-    assert all(a.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]) for a in jax.tree.leaves(ckpt.params))
+    assert all(
+        a.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        for a in jax.tree.leaves(ckpt.params)
+    )
 
 
 def generate(model: Path, **kw):
@@ -83,8 +86,9 @@ def test_llm_outputs_and_logprobs_identical(converted):
     _, got = generate(f32)
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids and a.text == b.text
-        assert [{t: lp.logprob for t, lp in d.items()} for d in a.logprobs] == \
-               [{t: lp.logprob for t, lp in d.items()} for d in b.logprobs]
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.logprobs] == [
+            {t: lp.logprob for t, lp in d.items()} for d in b.logprobs
+        ]
 
 
 def test_bf16_convert_loads_as_bf16(converted):
@@ -99,11 +103,23 @@ def test_bf16_convert_loads_as_bf16(converted):
     assert [o.token_ids for o in got] == [o.token_ids for o in generate(src, dtype="bfloat16")[1]]
 
 
-@pytest.mark.parametrize("config", [
-    transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-    transformers.OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                           max_position_embeddings=64, word_embed_proj_dim=16, do_layer_norm_before=False),
-], ids=["gpt2", "opt_project_post_ln"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+        transformers.OPTConfig(
+            vocab_size=96,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=16,
+            do_layer_norm_before=False,
+        ),
+    ],
+    ids=["gpt2", "opt_project_post_ln"],
+)
 def test_other_families_round_trip(config, tmp_path):
     """Their configs (GPT-2's attribute aliases, OPT's projections) survive the card's JSON."""
     config.architectures = [{"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM"}[config.model_type]]
@@ -131,7 +147,7 @@ def _wrong_stored_shape(d: Path) -> None:
     (d / "other" / "params").rename(d / "params")
 
 
-QKV_DATA = Path("params", "layers_0.qkv_proj.kernel", "0.0")   # the one chunk of that array
+QKV_DATA = Path("params", "layers_0.qkv_proj.kernel", "0.0")  # the one chunk of that array
 
 
 def _claim_compressed(d: Path) -> None:
@@ -145,18 +161,32 @@ CORRUPTIONS = {
     "card not JSON": (lambda d: (d / MODEL_CARD).write_text("{"), "not valid JSON"),
     "missing params dir": (lambda d: shutil.rmtree(d / "params"), "params/ is missing"),
     "missing orbax metadata": (lambda d: (d / "params" / "_METADATA").unlink(), "no array metadata"),
-    "missing data file": (lambda d: (d / QKV_DATA).unlink(), "data file layers_0.qkv_proj.kernel/0.0 is missing"),
-    "truncated data file": (lambda d: (d / QKV_DATA).write_bytes(b"\0" * 100),
-                            "data file layers_0.qkv_proj.kernel/0.0 is 100 bytes, expected 32768"),
+    "missing data file": (
+        lambda d: (d / QKV_DATA).unlink(),
+        "data file layers_0.qkv_proj.kernel/0.0 is missing",
+    ),
+    "truncated data file": (
+        lambda d: (d / QKV_DATA).write_bytes(b"\0" * 100),
+        "data file layers_0.qkv_proj.kernel/0.0 is 100 bytes, expected 32768",
+    ),
     "undecodable data file": (_claim_compressed, "restoring the params failed.*layers_0.qkv_proj.kernel/0.0"),
-    "card shape vs config": (lambda d: _edit_card(d, lambda c: c["params"]["norm/weight"].update(shape=[65])),
-                             "'norm/weight' is float32\\[65\\] in the model card, but float32\\[64\\] in the Llama"),
-    "stored shape vs card": (_wrong_stored_shape, "'layers_0/down_proj/kernel' is float32\\[100, 64\\] in the "
-                                                  "orbax files, but float32\\[128, 64\\] in the model card"),
-    "config vs card shapes": (lambda d: _edit_card(d, lambda c: c["hf_config"].update(intermediate_size=96)),
-                              "'layers_0/.*' is .* in the model card, but .* model of its hf_config"),
-    "unsupported architecture": (lambda d: _edit_card(d, lambda c: c.update(architecture="FooForCausalLM")),
-                                 "'FooForCausalLM', which this jaxpaged does not support"),
+    "card shape vs config": (
+        lambda d: _edit_card(d, lambda c: c["params"]["norm/weight"].update(shape=[65])),
+        "'norm/weight' is float32\\[65\\] in the model card, but float32\\[64\\] in the Llama",
+    ),
+    "stored shape vs card": (
+        _wrong_stored_shape,
+        "'layers_0/down_proj/kernel' is float32\\[100, 64\\] in the "
+        "orbax files, but float32\\[128, 64\\] in the model card",
+    ),
+    "config vs card shapes": (
+        lambda d: _edit_card(d, lambda c: c["hf_config"].update(intermediate_size=96)),
+        "'layers_0/.*' is .* in the model card, but .* model of its hf_config",
+    ),
+    "unsupported architecture": (
+        lambda d: _edit_card(d, lambda c: c.update(architecture="FooForCausalLM")),
+        "'FooForCausalLM', which this jaxpaged does not support",
+    ),
 }
 
 
@@ -178,7 +208,7 @@ def test_a_failed_restore_waits_for_orbaxs_stray_reads_by_the_clock(converted, t
         now = 0.0
 
         def monotonic(self):
-            self.now += 0.5                   # every look at the clock: half a second later
+            self.now += 0.5  # every look at the clock: half a second later
             return self.now
 
         def sleep(self, seconds):
@@ -187,12 +217,12 @@ def test_a_failed_restore_waits_for_orbaxs_stray_reads_by_the_clock(converted, t
     collections = []
     monkeypatch.setattr(orbax_checkpoint, "time", Clock())
     monkeypatch.setattr(orbax_checkpoint.gc, "collect", lambda: collections.append(1))
-    monkeypatch.setattr(orbax_checkpoint, "_is_orbax_read", lambda obj: True)     # never let go
+    monkeypatch.setattr(orbax_checkpoint, "_is_orbax_read", lambda obj: True)  # never let go
     d = shutil.copytree(converted[1], tmp_path / "ckpt")
     _claim_compressed(d)
     with pytest.raises(ValueError, match="restoring the params failed"):
         load_checkpoint(str(d))
-    assert 3 <= len(collections) <= 5          # 2 s of a clock that moves 0.5 s a look
+    assert 3 <= len(collections) <= 5  # 2 s of a clock that moves 0.5 s a look
 
 
 def test_llm_reports_corrupt_checkpoint(converted, tmp_path):
@@ -235,9 +265,14 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_restore_on_4_devices(converted):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SHARDED, str(converted[1])], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=120)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(converted[1])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-2] == "(64, 96) (96, 64) (64, 32)"

@@ -22,7 +22,9 @@ def test_a_script_beside_its_own_models_and_server_modules_imports_jaxpaged(tmp_
     for name in ("models", "server", "pallas_kernels"):
         (tmp_path / f"{name}.py").write_text(f"MINE = {name!r}\n")
     (tmp_path / "script.py").write_text(SCRIPT)
-    run = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     # The script's own modules are the ones its bare imports found; jaxpaged's are its own.
     assert run.stdout.split() == ["models", "server", "pallas_kernels", "jaxpaged.llm", "jaxpaged.server.app"]
@@ -31,7 +33,9 @@ def test_a_script_beside_its_own_models_and_server_modules_imports_jaxpaged(tmp_
 def _readme_commands() -> list[str]:
     """The one-line commands of README's set-up section, in order."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Set-up on a fresh machine"):readme.index("\n## ", readme.index("## Set-up"))]
+    section = readme[
+        readme.index("## Set-up on a fresh machine") : readme.index("\n## ", readme.index("## Set-up"))
+    ]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [b.strip() for b in blocks if "pip install" in b]
 

@@ -39,7 +39,7 @@ TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", detect_races=
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    rows: tuple[tuple[int, int], ...]   # (query tokens, context after the step) per live row
+    rows: tuple[tuple[int, int], ...]  # (query tokens, context after the step) per live row
     block_size: int
     head_dim: int
     q_heads: int
@@ -47,7 +47,7 @@ class Case:
     dtype: str = "float32"
     sliding_window: int | None = None
     soft_cap: float | None = None
-    scale: float | None = None          # default 1/sqrt(head_dim)
+    scale: float | None = None  # default 1/sqrt(head_dim)
     pad_rows: int = 1
     pad_tokens: int = 3
 
@@ -56,7 +56,7 @@ class Case:
 class Batch:
     q: jax.Array
     kv: jax.Array
-    kv_poisoned: jax.Array   # every slot without live context is NaN
+    kv_poisoned: jax.Array  # every slot without live context is NaN
     md: AttentionMetadata
 
 
@@ -69,17 +69,17 @@ def build_batch(case: Case, seed: int = 0) -> Batch:
     assert np.all(q_lens <= ctx)
     R = len(q_lens)
     pages = -(-ctx // bs)
-    W = int(pages.max(initial=0)) + 1                       # one spare padding column
+    W = int(pages.max(initial=0)) + 1  # one spare padding column
     num_blocks = int(pages.sum()) + 5
     ids = rng.permutation(num_blocks).astype(np.int32)
     # Padding entries are out-of-range ids: using one reads outside the pool (the TPU interpreter raises).
     block_tables = np.full((R, W), num_blocks + 1000, np.int32)
-    live = np.zeros((num_blocks, bs), bool)                 # slots holding context
+    live = np.zeros((num_blocks, bs), bool)  # slots holding context
     start = 0
     for r in range(R):
-        own = ids[start:start + pages[r]]
+        own = ids[start : start + pages[r]]
         start += pages[r]
-        block_tables[r, :pages[r]] = own
+        block_tables[r, : pages[r]] = own
         pos = np.arange(ctx[r])
         live[own[pos // bs], pos % bs] = True
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -91,15 +91,32 @@ def build_batch(case: Case, seed: int = 0) -> Batch:
     slot = np.full(T, PAD_SLOT, np.int32)
     tile_size = 16
     tiles = build_prefill_tiles(qsl, tile_size, max(1, num_prefill_tiles(qsl, tile_size)))
-    md = AttentionMetadata(slot_mapping=jnp.asarray(slot), block_tables=jnp.asarray(block_tables),
-                           seq_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl),
-                           tile_row=jnp.asarray(tiles[0]), tile_start=jnp.asarray(tiles[1]),
-                           tile_len=jnp.asarray(tiles[2]), tile_size=tile_size)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slot),
+        block_tables=jnp.asarray(block_tables),
+        seq_lens=jnp.asarray(ctx),
+        query_start_loc=jnp.asarray(qsl),
+        tile_row=jnp.asarray(tiles[0]),
+        tile_start=jnp.asarray(tiles[1]),
+        tile_len=jnp.asarray(tiles[2]),
+        tile_size=tile_size,
+    )
     return Batch(jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(poisoned, dtype), md)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "variant", "interpret",
-                                             "q_tile", "pages_per_step", "kv_heads_per_program"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "variant",
+        "interpret",
+        "q_tile",
+        "pages_per_step",
+        "kv_heads_per_program",
+    ),
+)
 def run_kernel(q, kv, layer, md, **kw):
     return ragged_paged_attention(q, kv, layer, md, **kw)
 
@@ -110,15 +127,16 @@ def run_reference(q, kv, layer, md, **kw):
 
 
 def attn_kwargs(case: Case) -> dict:
-    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    scale = case.scale if case.scale is not None else case.head_dim**-0.5
     return dict(scale=scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
 
 
 run_dispatch = jax.jit(paged_attention, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 
 
-def check_against_reference(case: Case, *, variant: str = "interpret", interpret=True, backend: str | None = None,
-                            **tiles) -> None:
+def check_against_reference(
+    case: Case, *, variant: str = "interpret", interpret=True, backend: str | None = None, **tiles
+) -> None:
     """The Pallas kernel (``variant``), or the dispatched ``backend`` when given, against the reference."""
     b = build_batch(case)
     kw = attn_kwargs(case)
@@ -144,26 +162,67 @@ def check_against_reference(case: Case, *, variant: str = "interpret", interpret
 
 
 CASES = {
-    "mixed-bs8-d64-gqa1": Case(rows=((1, 1), (1, 9), (7, 40), (13, 13), (1, 100)), block_size=8,
-                               head_dim=64, q_heads=2, kv_heads=2, pad_rows=2, pad_tokens=5),
-    "decode-bs16-d128-gqa3": Case(rows=((1, 1), (1, 17), (1, 250), (1, 1000), (1, 33)), block_size=16,
-                                  head_dim=128, q_heads=6, kv_heads=2),
-    "prefill-bs32-d64-gqa4": Case(rows=((33, 33), (50, 300), (20, 20)), block_size=32, head_dim=64,
-                                  q_heads=4, kv_heads=1, pad_tokens=0),
-    "long-bs16-d64-gqa8": Case(rows=((1, 2047), (40, 1999), (1, 1)), block_size=16, head_dim=64,
-                               q_heads=8, kv_heads=1),
-    "window-bs16-d64-gqa3": Case(rows=((1, 300), (45, 117), (1, 5), (20, 20)), block_size=16,
-                                 head_dim=64, q_heads=3, kv_heads=1, sliding_window=37),
-    "softcap-bs8-d128-gqa4": Case(rows=((1, 77), (30, 60)), block_size=8, head_dim=128, q_heads=8,
-                                  kv_heads=2, soft_cap=2.0, scale=1.0),
-    "window-softcap-bs32-d128-gqa1": Case(rows=((1, 1500), (64, 700)), block_size=32, head_dim=128,
-                                          q_heads=2, kv_heads=2, sliding_window=200, soft_cap=10.0),
-    "bf16-mixed-bs16-d128-gqa4": Case(rows=((1, 600), (25, 25), (1, 3), (9, 130)), block_size=16,
-                                      head_dim=128, q_heads=8, kv_heads=2, dtype="bfloat16"),
-    "bf16-window-bs8-d64-gqa8": Case(rows=((1, 401), (16, 90)), block_size=8, head_dim=64, q_heads=8,
-                                     kv_heads=1, dtype="bfloat16", sliding_window=64, soft_cap=30.0),
-    "all-padding": Case(rows=(), block_size=16, head_dim=64, q_heads=4, kv_heads=2, pad_rows=3,
-                        pad_tokens=8),
+    "mixed-bs8-d64-gqa1": Case(
+        rows=((1, 1), (1, 9), (7, 40), (13, 13), (1, 100)),
+        block_size=8,
+        head_dim=64,
+        q_heads=2,
+        kv_heads=2,
+        pad_rows=2,
+        pad_tokens=5,
+    ),
+    "decode-bs16-d128-gqa3": Case(
+        rows=((1, 1), (1, 17), (1, 250), (1, 1000), (1, 33)),
+        block_size=16,
+        head_dim=128,
+        q_heads=6,
+        kv_heads=2,
+    ),
+    "prefill-bs32-d64-gqa4": Case(
+        rows=((33, 33), (50, 300), (20, 20)), block_size=32, head_dim=64, q_heads=4, kv_heads=1, pad_tokens=0
+    ),
+    "long-bs16-d64-gqa8": Case(
+        rows=((1, 2047), (40, 1999), (1, 1)), block_size=16, head_dim=64, q_heads=8, kv_heads=1
+    ),
+    "window-bs16-d64-gqa3": Case(
+        rows=((1, 300), (45, 117), (1, 5), (20, 20)),
+        block_size=16,
+        head_dim=64,
+        q_heads=3,
+        kv_heads=1,
+        sliding_window=37,
+    ),
+    "softcap-bs8-d128-gqa4": Case(
+        rows=((1, 77), (30, 60)), block_size=8, head_dim=128, q_heads=8, kv_heads=2, soft_cap=2.0, scale=1.0
+    ),
+    "window-softcap-bs32-d128-gqa1": Case(
+        rows=((1, 1500), (64, 700)),
+        block_size=32,
+        head_dim=128,
+        q_heads=2,
+        kv_heads=2,
+        sliding_window=200,
+        soft_cap=10.0,
+    ),
+    "bf16-mixed-bs16-d128-gqa4": Case(
+        rows=((1, 600), (25, 25), (1, 3), (9, 130)),
+        block_size=16,
+        head_dim=128,
+        q_heads=8,
+        kv_heads=2,
+        dtype="bfloat16",
+    ),
+    "bf16-window-bs8-d64-gqa8": Case(
+        rows=((1, 401), (16, 90)),
+        block_size=8,
+        head_dim=64,
+        q_heads=8,
+        kv_heads=1,
+        dtype="bfloat16",
+        sliding_window=64,
+        soft_cap=30.0,
+    ),
+    "all-padding": Case(rows=(), block_size=16, head_dim=64, q_heads=4, kv_heads=2, pad_rows=3, pad_tokens=8),
 }
 
 
@@ -184,28 +243,60 @@ def test_native_cpu_kernel_matches_reference(name: str) -> None:
 # masked tail; 80 and 256: more than one register tile), and, with few rows on a multi-threaded
 # pool, decode rows split by key ranges and merged.
 NATIVE_CASES = {
-    "tiles-gqa1-d64-bs16": Case(rows=((100, 130), (49, 49), (1, 33), (2, 2)), block_size=16, head_dim=64,
-                                q_heads=2, kv_heads=2),
-    "tiles-gqa3-d72-bs8": Case(rows=((37, 75), (16, 16), (17, 40)), block_size=8, head_dim=72, q_heads=6,
-                               kv_heads=2),
-    "tiles-gqa4-d80-bs32": Case(rows=((30, 95), (1, 70), (13, 13)), block_size=32, head_dim=80, q_heads=8,
-                                kv_heads=2),
-    "tiles-gqa8-d128-bs16": Case(rows=((20, 300), (1, 129), (7, 7)), block_size=16, head_dim=128, q_heads=16,
-                                 kv_heads=2),
+    "tiles-gqa1-d64-bs16": Case(
+        rows=((100, 130), (49, 49), (1, 33), (2, 2)), block_size=16, head_dim=64, q_heads=2, kv_heads=2
+    ),
+    "tiles-gqa3-d72-bs8": Case(
+        rows=((37, 75), (16, 16), (17, 40)), block_size=8, head_dim=72, q_heads=6, kv_heads=2
+    ),
+    "tiles-gqa4-d80-bs32": Case(
+        rows=((30, 95), (1, 70), (13, 13)), block_size=32, head_dim=80, q_heads=8, kv_heads=2
+    ),
+    "tiles-gqa8-d128-bs16": Case(
+        rows=((20, 300), (1, 129), (7, 7)), block_size=16, head_dim=128, q_heads=16, kv_heads=2
+    ),
     "d256-gqa2": Case(rows=((9, 40), (1, 77)), block_size=16, head_dim=256, q_heads=4, kv_heads=2),
-    "window-softcap-tiles-gqa3": Case(rows=((70, 180), (1, 250), (5, 21)), block_size=16, head_dim=64,
-                                      q_heads=3, kv_heads=1, sliding_window=37, soft_cap=5.0),
-    "window-shorter-than-tile": Case(rows=((40, 60), (1, 90)), block_size=8, head_dim=64, q_heads=2,
-                                     kv_heads=1, sliding_window=5),
+    "window-softcap-tiles-gqa3": Case(
+        rows=((70, 180), (1, 250), (5, 21)),
+        block_size=16,
+        head_dim=64,
+        q_heads=3,
+        kv_heads=1,
+        sliding_window=37,
+        soft_cap=5.0,
+    ),
+    "window-shorter-than-tile": Case(
+        rows=((40, 60), (1, 90)), block_size=8, head_dim=64, q_heads=2, kv_heads=1, sliding_window=5
+    ),
     "split-decode": Case(rows=((1, 3000), (1, 45)), block_size=16, head_dim=64, q_heads=6, kv_heads=3),
-    "split-decode-window-softcap": Case(rows=((1, 2500),), block_size=16, head_dim=64, q_heads=4, kv_heads=1,
-                                        sliding_window=1000, soft_cap=20.0),
-    "decode-rows-and-prefill-smollm2": Case(rows=tuple((1, 17 + 23 * i) for i in range(30)) + ((60, 100),),
-                                            block_size=16, head_dim=64, q_heads=9, kv_heads=3),
-    "bf16-tiles-d72-window": Case(rows=((33, 50), (1, 300)), block_size=16, head_dim=72, q_heads=6,
-                                  kv_heads=2, dtype="bfloat16", sliding_window=40),
-    "bf16-split-decode-d128": Case(rows=((1, 2000),), block_size=16, head_dim=128, q_heads=8, kv_heads=2,
-                                   dtype="bfloat16"),
+    "split-decode-window-softcap": Case(
+        rows=((1, 2500),),
+        block_size=16,
+        head_dim=64,
+        q_heads=4,
+        kv_heads=1,
+        sliding_window=1000,
+        soft_cap=20.0,
+    ),
+    "decode-rows-and-prefill-smollm2": Case(
+        rows=tuple((1, 17 + 23 * i) for i in range(30)) + ((60, 100),),
+        block_size=16,
+        head_dim=64,
+        q_heads=9,
+        kv_heads=3,
+    ),
+    "bf16-tiles-d72-window": Case(
+        rows=((33, 50), (1, 300)),
+        block_size=16,
+        head_dim=72,
+        q_heads=6,
+        kv_heads=2,
+        dtype="bfloat16",
+        sliding_window=40,
+    ),
+    "bf16-split-decode-d128": Case(
+        rows=((1, 2000),), block_size=16, head_dim=128, q_heads=8, kv_heads=2, dtype="bfloat16"
+    ),
 }
 
 
@@ -214,26 +305,41 @@ def test_native_cpu_kernel_paths(name: str) -> None:
     check_against_reference(NATIVE_CASES[name], backend="cpu")
 
 
-@pytest.mark.parametrize("tiles", [dict(q_tile=8, pages_per_step=1, kv_heads_per_program=2),
-                                   dict(q_tile=3, pages_per_step=3)], ids=["page-chunks-2-heads", "odd-tiles"])
+@pytest.mark.parametrize(
+    "tiles",
+    [dict(q_tile=8, pages_per_step=1, kv_heads_per_program=2), dict(q_tile=3, pages_per_step=3)],
+    ids=["page-chunks-2-heads", "odd-tiles"],
+)
 def test_interpret_tile_parameters(tiles: dict) -> None:
     case = dataclasses.replace(CASES["window-bs16-d64-gqa3"], q_heads=6, kv_heads=2)
     check_against_reference(case, **tiles)
 
 
-@pytest.mark.parametrize("name", ["mixed-bs8-d64-gqa1", "decode-bs16-d128-gqa3", "window-bs16-d64-gqa3",
-                                  "bf16-mixed-bs16-d128-gqa4"])
+@pytest.mark.parametrize(
+    "name",
+    ["mixed-bs8-d64-gqa1", "decode-bs16-d128-gqa3", "window-bs16-d64-gqa3", "bf16-mixed-bs16-d128-gqa4"],
+)
 def test_gpu_kernel_interpreted(name: str) -> None:
     """The Triton variant's logic (row tiles, masked loads/stores, page gathers) in interpret mode."""
     check_against_reference(CASES[name], variant="gpu", interpret=True)
 
 
-@pytest.mark.parametrize("case", [
-    Case(rows=((1, 37), (9, 50), (1, 1), (17, 17)), block_size=16, head_dim=64, q_heads=6, kv_heads=2,
-         sliding_window=20, soft_cap=5.0),
-    Case(rows=((1, 70), (12, 12)), block_size=16, head_dim=128, q_heads=3, kv_heads=1,
-         dtype="bfloat16"),
-], ids=["f32-window-softcap", "bf16-gqa3"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(
+            rows=((1, 37), (9, 50), (1, 1), (17, 17)),
+            block_size=16,
+            head_dim=64,
+            q_heads=6,
+            kv_heads=2,
+            sliding_window=20,
+            soft_cap=5.0,
+        ),
+        Case(rows=((1, 70), (12, 12)), block_size=16, head_dim=128, q_heads=3, kv_heads=1, dtype="bfloat16"),
+    ],
+    ids=["f32-window-softcap", "bf16-gqa3"],
+)
 def test_tpu_kernel_interpreted(case: Case) -> None:
     """The Mosaic variant (DMAs, semaphores, double buffer) under the TPU interpreter.
 
@@ -242,6 +348,7 @@ def test_tpu_kernel_interpreted(case: Case) -> None:
     """
     check_against_reference(case, variant="tpu", interpret=TPU_INTERPRET, q_tile=8, pages_per_step=2)
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: race detector state
+
     races = getattr(interpret_pallas_call, "races", None)
     assert races is None or not races.races_found
 
@@ -269,7 +376,9 @@ def test_dispatch_pallas_interpret_matches_xla() -> None:
     kw = attn_kwargs(case)
     pallas = run_dispatch(b.q, b.kv, jnp.int32(LAYER), b.md, backend="pallas_interpret", **kw)
     xla = run_dispatch(b.q, b.kv, jnp.int32(LAYER), b.md, backend="xla", **kw)
-    np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(pallas, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=1e-2
+    )
 
 
 def lower_for(platform: str, case: Case):
@@ -311,14 +420,20 @@ def triton_dots(lowered) -> list[tuple[str, int]]:
             for block in region.blocks:
                 for inner in block.operations:
                     if inner.operation.name == "stablehlo.custom_call" and "triton" in str(
-                            inner.attributes["call_target_name"]):
+                        inner.attributes["call_target_name"]
+                    ):
                         config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
                         with ir.Context() as ctx:
                             tt.register_dialect(ctx)
                             module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
                             text = module.operation.get_asm(print_generic_op_form=True)
-                        dots.extend((m.group(2), int(m.group(1))) for m in re.finditer(
-                            r'"tt\.dot"\(.*?inputPrecision = (\d+) : i32.*?: \(tensor<\d+x\d+x(\w+)>', text))
+                        dots.extend(
+                            (m.group(2), int(m.group(1)))
+                            for m in re.finditer(
+                                r'"tt\.dot"\(.*?inputPrecision = (\d+) : i32.*?: \(tensor<\d+x\d+x(\w+)>',
+                                text,
+                            )
+                        )
                     walk(inner.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
@@ -334,7 +449,7 @@ def test_gpu_kernel_dots_are_full_float32_for_float32_inputs(dtype: str) -> None
 
     case = dataclasses.replace(CASES["window-bs16-d64-gqa3"], dtype=dtype)
     dots = triton_dots(lower_for("cuda", case))
-    assert len(dots) == 2                       # q @ k^T and p @ v
+    assert len(dots) == 2  # q @ k^T and p @ v
     ieee = int(tt.InputPrecision.IEEE)
     if dtype == "float32":
         assert dots == [("f32", ieee)] * 2
@@ -366,8 +481,12 @@ def test_rejects_bad_shapes() -> None:
 # ------------------------------------------------------------------------------ KV ops
 
 
-KV_WRITE_BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
-    not native_kernel_available(), reason="native CPU kernel not built"))]
+KV_WRITE_BACKENDS = [
+    "xla",
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not native_kernel_available(), reason="native CPU kernel not built")
+    ),
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
@@ -415,4 +534,6 @@ def test_auto_backend_on_cpu_falls_back_to_xla_for_float16() -> None:
     assert resolve_backend("auto", "cpu", jnp.float16) == "xla"
     b = build_batch(CASES["mixed-bs8-d64-gqa1"])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        paged_attention(b.q.astype(jnp.float16), b.kv.astype(jnp.float16), LAYER, b.md, backend="cpu", scale=0.1)
+        paged_attention(
+            b.q.astype(jnp.float16), b.kv.astype(jnp.float16), LAYER, b.md, backend="cpu", scale=0.1
+        )

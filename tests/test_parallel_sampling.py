@@ -18,7 +18,7 @@ from jaxpaged.scheduler import Scheduler
 from tiny_models import random_prompts
 
 BASE = dict(temperature=1.0, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
-PROMPT = random_prompts(np.random.default_rng(20), [23])[0]     # 23 tokens: last block of 8 holds 7
+PROMPT = random_prompts(np.random.default_rng(20), [23])[0]  # 23 tokens: last block of 8 holds 7
 
 
 def signed(seed: int) -> int:
@@ -32,7 +32,10 @@ def llm(tiny):
 
 def separate(llm, prompt, n: int, **overrides) -> list:
     """The samples of ``n`` separate requests seeded like the samples of one request."""
-    params = [SamplingParams(**{**BASE, **overrides, "seed": signed(_sample_seed(BASE["seed"], i))}) for i in range(n)]
+    params = [
+        SamplingParams(**{**BASE, **overrides, "seed": signed(_sample_seed(BASE["seed"], i))})
+        for i in range(n)
+    ]
     return [o.outputs[0] for o in llm.generate([prompt] * n, params, use_tqdm=False)]
 
 
@@ -53,6 +56,7 @@ def test_n4_shares_the_prompt_and_equals_separate_seeded_requests(llm):
         computed.append(sum(out.num_new_tokens))
         copies.append(list(out.blocks_to_copy))
         return out
+
     eng.scheduler.schedule = spy
     try:
         eng.add_request("p", PROMPT, SamplingParams(n=4, logprobs=0, **BASE))
@@ -75,14 +79,17 @@ def test_n4_shares_the_prompt_and_equals_separate_seeded_requests(llm):
     assert_pool_empty(eng)
     ref = separate(llm, PROMPT, 4, logprobs=0)
     assert [c.token_ids for c in many] == [c.token_ids for c in ref]
-    np.testing.assert_allclose([c.cumulative_logprob for c in many], [c.cumulative_logprob for c in ref], atol=1e-4)
+    np.testing.assert_allclose(
+        [c.cumulative_logprob for c in many], [c.cumulative_logprob for c in ref], atol=1e-4
+    )
     assert len({tuple(c.token_ids) for c in many}) > 1
 
 
 def test_best_of_returns_the_n_best_by_cumulative_logprob(llm):
     best = llm.generate([PROMPT], SamplingParams(n=2, best_of=5, **BASE), use_tqdm=False)[0]
-    ref = sorted(enumerate(separate(llm, PROMPT, 5, logprobs=0)), key=lambda ic: ic[1].cumulative_logprob,
-                 reverse=True)[:2]
+    ref = sorted(
+        enumerate(separate(llm, PROMPT, 5, logprobs=0)), key=lambda ic: ic[1].cumulative_logprob, reverse=True
+    )[:2]
     assert [(c.index, c.token_ids) for c in best.outputs] == [(i, c.token_ids) for i, c in ref]
     assert_pool_empty(llm.engine)
 
@@ -145,6 +152,7 @@ def test_too_many_samples_for_max_num_seqs_is_rejected(tiny):
 
 # ---- block manager and scheduler, no model ---------------------------------------------
 
+
 def make(rid: str, n_tokens: int) -> Request:
     return Request(rid, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=16), max_tokens=16, seed=0)
 
@@ -161,12 +169,12 @@ def test_fork_shares_every_block_and_copies_the_last_on_first_write():
     assert [kv.pool.ref_count(b) for b in parent.block_ids] == [2, 2, 2]
     assert kv.sharing_stats().saved_fraction == pytest.approx(0.5)
     shared_last = parent.block_ids[2]
-    assert kv.allocate_slots(child, 1)              # writes token 11 into the shared, partly filled block
+    assert kv.allocate_slots(child, 1)  # writes token 11 into the shared, partly filled block
     assert child.block_ids[:2] == parent.block_ids[:2] and child.block_ids[2] != shared_last
     assert kv.take_blocks_to_copy() == [(shared_last, child.block_ids[2])]
     assert kv.pool.ref_count(shared_last) == 1
-    assert kv.shared_tails == {"p"}                 # the child's tail is its own copy; the parent's may be shared
-    assert kv.allocate_slots(parent, 1) and parent.block_ids[2] == shared_last   # now its own: no copy
+    assert kv.shared_tails == {"p"}  # the child's tail is its own copy; the parent's may be shared
+    assert kv.allocate_slots(parent, 1) and parent.block_ids[2] == shared_last  # now its own: no copy
     assert kv.take_blocks_to_copy() == [] and kv.shared_tails == set()
     kv.free(parent)
     kv.free(child)
@@ -174,16 +182,16 @@ def test_fork_shares_every_block_and_copies_the_last_on_first_write():
 
 
 def test_copy_on_write_is_all_or_nothing():
-    kv = KVCacheManager(4, 4)                       # 3 usable blocks
+    kv = KVCacheManager(4, 4)  # 3 usable blocks
     parent = make("p", 6)
     assert kv.allocate_slots(parent, 6)
     parent.num_computed_tokens = 6
     child = make("c", 6)
     kv.fork(parent, child)
     assert kv.num_free_blocks == 1
-    assert not kv.allocate_slots(child, 3)          # needs a copy and a new block: only one free
+    assert not kv.allocate_slots(child, 3)  # needs a copy and a new block: only one free
     assert child.block_ids == parent.block_ids and kv.take_blocks_to_copy() == []
-    assert kv.allocate_slots(child, 2)              # just the copy
+    assert kv.allocate_slots(child, 2)  # just the copy
 
 
 @pytest.mark.parametrize("mode, host_blocks", [("recompute", 0), ("swap", 12)])
@@ -201,15 +209,21 @@ def test_random_fork_workload_keeps_ref_counts_exact(mode, host_blocks):
             counter += 1
             r = make(f"r{counter}", rng.randint(1, 20))
             r.max_tokens = rng.randint(1, 16)
-            r.pending_forks = [make(f"{i}_r{counter}", r.num_prompt_tokens) for i in range(1, rng.randint(1, 4))]
+            r.pending_forks = [
+                make(f"{i}_r{counter}", r.num_prompt_tokens) for i in range(1, rng.randint(1, 4))
+            ]
             for c in r.pending_forks:
                 c.prompt_token_ids = r.prompt_token_ids
                 c.max_tokens = r.max_tokens
             r.reserved_seqs = len(r.pending_forks)
             sched.add_request(r)
         out = sched.schedule()
-        for key, n in (("forks", out.forks), ("copies", out.blocks_to_copy), ("preempted", out.preempted),
-                       ("swapped_in", out.blocks_to_swap_in)):
+        for key, n in (
+            ("forks", out.forks),
+            ("copies", out.blocks_to_copy),
+            ("preempted", out.preempted),
+            ("swapped_in", out.blocks_to_swap_in),
+        ):
             stats[key] += len(n)
         rows = list(zip(out.requests, out.samples)) + [(c, True) for _, c in out.forks]
         for req, samples in rows:

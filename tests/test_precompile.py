@@ -51,11 +51,15 @@ def test_served_workload_compiles_nothing_after_start_up(tiny):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny[0]), **ENGINE_ARGS))
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [1, 3, 9, 30, 61, 100, 7, 44, 2, 15, 80, 5])
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(1, 20)),
-                             ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(1, 20)), ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
 
     async def one(i: int) -> int:
-        await asyncio.sleep(0.01 * i)            # staggered arrivals: mixed prefill/decode steps
+        await asyncio.sleep(0.01 * i)  # staggered arrivals: mixed prefill/decode steps
         final = None
         stream = await engine.add_request(engine.make_request(f"r{i}", prompts[i], params[i]))
         async for out in stream:
@@ -91,14 +95,17 @@ def test_plain_greedy_steps_sample_in_the_forward_program(tiny, monkeypatch):
         logits, tokens, prev = forward(b)
         (fused if b.greedy_in_forward else unfused).append(b)
         if b.greedy_in_forward:
-            want, _, want_prev = sample_fn(logits, b.sampling, b.prompt_targets, flags=b.flags,
-                                           num_token_slots=runner.max_rows)
+            want, _, want_prev = sample_fn(
+                logits, b.sampling, b.prompt_targets, flags=b.flags, num_token_slots=runner.max_rows
+            )
             np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want.tokens))
             np.testing.assert_array_equal(np.asarray(prev), np.asarray(want_prev))
         return logits, tokens, prev
 
     monkeypatch.setattr(runner, "forward", checked)
-    monkeypatch.setattr(model_runner, "sample_fn", lambda *a, **k: launched.append(k["flags"]) or sample_fn(*a, **k))
+    monkeypatch.setattr(
+        model_runner, "sample_fn", lambda *a, **k: launched.append(k["flags"]) or sample_fn(*a, **k)
+    )
     rng = np.random.default_rng(7)
     prompts = random_prompts(rng, [3, 20, 9, 41, 5])
     for i, p in enumerate(prompts):
@@ -106,8 +113,12 @@ def test_plain_greedy_steps_sample_in_the_forward_program(tiny, monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert fused and not launched and not unfused
-    engine.add_request("s", prompts[0], SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))
-    engine.add_request("l", prompts[1], SamplingParams(temperature=0.0, logprobs=2, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "s", prompts[0], SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    )
+    engine.add_request(
+        "l", prompts[1], SamplingParams(temperature=0.0, logprobs=2, max_tokens=4, ignore_eos=True)
+    )
     while engine.has_unfinished_requests():
         engine.step()
     assert len(launched) == len(unfused) > 0
@@ -141,10 +152,18 @@ def test_multi_step_programs_are_precompiled_too(tiny):
     engine.scheduler.schedule = lambda: grouped.append(out := schedule()) or out
     with count_compiles() as compiles:
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
-                                                          max_tokens=int(rng.integers(1, 24))))
+            engine.add_request(
+                f"r{i}",
+                p,
+                SamplingParams(
+                    temperature=0.0 if i % 2 else 0.9,
+                    seed=i,
+                    ignore_eos=True,
+                    max_tokens=int(rng.integers(1, 24)),
+                ),
+            )
         while engine.has_unfinished_requests():
             engine.step()
     sizes = {len(o.requests) for o in grouped if o.num_steps == 4}
-    assert min(sizes) <= 8 < max(sizes), sizes          # groups in both row buckets
+    assert min(sizes) <= 8 < max(sizes), sizes  # groups in both row buckets
     assert compiles == [], f"{len(compiles)} XLA compilations after start-up"

@@ -33,7 +33,7 @@ def test_partial_prefix_hit_reuses_the_same_physical_blocks():
     a = make("a", range(100, 140))
     compute(kv, a)
     b = make("b", list(range(100, 120)) + [1, 2, 3, 4, 5])
-    assert compute(kv, b) == 16                      # two full blocks of the shared 20 tokens
+    assert compute(kv, b) == 16  # two full blocks of the shared 20 tokens
     assert b.block_ids[:2] == a.block_ids[:2]
     assert b.block_ids[2] != a.block_ids[2]
     assert kv.pool.ref_count(a.block_ids[0]) == 2
@@ -45,7 +45,7 @@ def test_block_aligned_full_hit_still_computes_the_last_block():
     a = make("a", range(32))
     compute(kv, a)
     b = make("b", range(32))
-    assert compute(kv, b) == 24                      # 3 of 4 blocks: the last token is recomputed
+    assert compute(kv, b) == 24  # 3 of 4 blocks: the last token is recomputed
     assert b.block_ids[:3] == a.block_ids[:3]
 
 
@@ -58,8 +58,9 @@ def test_a_preempted_request_resumes_on_its_cached_blocks_without_hashing_again(
     def counting_hash(parent, tokens):
         calls.append(tuple(tokens))
         return hash_block(parent, tokens)
+
     kv = KVCacheManager(32, BS, enable_caching=True, hash_fn=counting_hash)
-    a = make("a", range(100, 133))                   # 4 full blocks and one token
+    a = make("a", range(100, 133))  # 4 full blocks and one token
     compute(kv, a)
     blocks, hashed = list(a.block_ids[:4]), len(calls)
     assert hashed == 4
@@ -85,8 +86,9 @@ def test_freed_blocks_stay_cached_until_evicted_lru(filler_blocks, expected_hit)
     assert compute(kv, make("c", range(32))) == expected_hit
 
 
-@pytest.mark.parametrize("hash_fn", [hash_block, lambda parent, tokens: hash(tuple(tokens))],
-                         ids=["chained", "root_blind"])
+@pytest.mark.parametrize(
+    "hash_fn", [hash_block, lambda parent, tokens: hash(tuple(tokens))], ids=["chained", "root_blind"]
+)
 def test_different_salts_never_share(hash_fn):
     # root_blind: the salt never reaches the hash, so only the exact check of a first block's root
     # digest keeps tenants apart.
@@ -97,21 +99,25 @@ def test_different_salts_never_share(hash_fn):
     assert compute(kv, make("d", range(40), salt="tenant-1")) == 32
 
 
-@pytest.mark.parametrize("weak_hash", [
-    lambda parent, tokens: b"same",                          # everything collides
-    lambda parent, tokens: bytes(str(list(tokens)), "ascii"),  # ignores the parent block
-], ids=["constant", "parent_blind"])
+@pytest.mark.parametrize(
+    "weak_hash",
+    [
+        lambda parent, tokens: b"same",  # everything collides
+        lambda parent, tokens: bytes(str(list(tokens)), "ascii"),  # ignores the parent block
+    ],
+    ids=["constant", "parent_blind"],
+)
 def test_hash_collisions_never_reuse_a_different_prefix(weak_hash):
     kv = KVCacheManager(64, BS, enable_caching=True, hash_fn=weak_hash)
     W, Z, Y, Q = ([t] * BS for t in (11, 22, 33, 44))
-    compute(kv, make("c", W + Y + [1]))      # caches Y after W
-    compute(kv, make("a", Z + Q + [1]))      # caches Z (and Q after Z)
-    b = make("b", Z + Y + [1])               # Y after Z was never computed
+    compute(kv, make("c", W + Y + [1]))  # caches Y after W
+    compute(kv, make("a", Z + Q + [1]))  # caches Z (and Q after Z)
+    b = make("b", Z + Y + [1])  # Y after Z was never computed
     hit = compute(kv, b)
     assert hit <= BS
     if hit:
         assert kv.pool.lookup(weak_hash(b"", Z), Z, kv._parent_key(b, [], 0)) == b.block_ids[0]
-    assert compute(kv, make("w", W + Q + [1])) <= BS      # Q was cached after Z, not W
+    assert compute(kv, make("w", W + Q + [1])) <= BS  # Q was cached after Z, not W
 
 
 def test_random_sharing_keeps_pool_invariants():
@@ -123,7 +129,9 @@ def test_random_sharing_keeps_pool_invariants():
         if live and (rng.random() < 0.45 or kv.num_free_blocks < 6):
             kv.free(live.pop(rng.randrange(len(live))))
         else:
-            toks = rng.choice(prefixes)[:rng.randint(1, 13)] + [rng.randint(1, 50) for _ in range(rng.randint(0, 6))]
+            toks = rng.choice(prefixes)[: rng.randint(1, 13)] + [
+                rng.randint(1, 50) for _ in range(rng.randint(0, 6))
+            ]
             r = make(f"r{step}", toks)
             hit = kv.get_computed_blocks(r)
             assert hit % 4 == 0 and hit < r.num_tokens
@@ -136,8 +144,8 @@ def test_random_sharing_keeps_pool_invariants():
         refs = sum(kv.pool.ref_count(b) for b in range(1, 40))
         assert refs == held
         assert kv.num_free_blocks + sum(1 for b in range(1, 40) if kv.pool.ref_count(b) > 0) == 39
-        for r in live:                           # every shared block holds exactly r's tokens
-            for i, b in enumerate(r.block_ids[:r.num_tokens // 4]):
+        for r in live:  # every shared block holds exactly r's tokens
+            for i, b in enumerate(r.block_ids[: r.num_tokens // 4]):
                 key = kv.pool._block_key[b]
                 if key is not None:
                     assert list(key[1]) == r.token_ids_slice(4 * i, 4 * i + 4)
@@ -191,6 +199,7 @@ def test_shared_1000_token_prefix_computes_only_the_suffix(long_model):
         out = schedule()
         computed.extend(n for r, n in zip(out.requests, out.num_new_tokens) if r.request_id == "second")
         return out
+
     eng.scheduler.schedule = counting_schedule
     llm.generate([first], SP, use_tqdm=False)
     eng.add_request("second", second, SP)
@@ -207,7 +216,7 @@ def test_llm_prompt_dicts_carry_a_cache_salt(long_model):
     full blocks; text and token-id prompts mix; a malformed dict is refused before anything runs."""
     llm = LLM(str(long_model[0]), block_size=8)
     stats = llm.engine.kv_cache_manager.stats
-    prompt = np.random.default_rng(3).integers(3, 350, 41).tolist()     # 5 full blocks
+    prompt = np.random.default_rng(3).integers(3, 350, 41).tolist()  # 5 full blocks
     expected = hf_greedy(long_model[1], prompt, 8)[0]
 
     def hits(prompts):
@@ -218,17 +227,19 @@ def test_llm_prompt_dicts_carry_a_cache_salt(long_model):
 
     assert hits([{"prompt_token_ids": prompt, "cache_salt": "a"}]) == 0
     assert hits([{"prompt_token_ids": prompt, "cache_salt": "b"}]) == 0
-    assert hits([{"prompt_token_ids": prompt, "cache_salt": "a"}, prompt]) == 40     # the unsalted one: a miss
+    assert hits([{"prompt_token_ids": prompt, "cache_salt": "a"}, prompt]) == 40  # the unsalted one: a miss
     assert hits({"prompt_token_ids": prompt}) == 40
     text = llm.generate({"prompt": "hello there"}, SP, use_tqdm=False)[0]
     assert text.prompt_token_ids == llm.get_tokenizer().encode("hello there")
-    for bad, match in (({"prompt_token_ids": prompt, "salt": "a"}, r"unknown key\(s\) \['salt'\]"),
-                       ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of"),
-                       ({"cache_salt": "a"}, "exactly one of"),
-                       ({"prompt": "x", "cache_salt": ""}, "non-empty string")):
+    for bad, match in (
+        ({"prompt_token_ids": prompt, "salt": "a"}, r"unknown key\(s\) \['salt'\]"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one of"),
+        ({"cache_salt": "a"}, "exactly one of"),
+        ({"prompt": "x", "cache_salt": ""}, "non-empty string"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.generate([prompt, bad], SP, use_tqdm=False)
-    for salt in ("", 7):                # the engine's own check, under every way in
+    for salt in ("", 7):  # the engine's own check, under every way in
         with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
             llm.engine.add_request("direct", prompt, SP, cache_salt=salt)
     assert not llm.engine.has_unfinished_requests()

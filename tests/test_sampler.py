@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from jaxpaged.sampler import CANDIDATES, SamplerFlags, SamplingTensors, process_logits, sample
 
@@ -18,31 +23,58 @@ _process = jax.jit(process_logits, static_argnames="flags")
 DRAWS = 8192
 
 
-def tensors(R: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0,
-            repetition=1.0, seeds=None, position=0, penalties=(), bias=()) -> SamplingTensors:
+def tensors(
+    R: int,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    seeds=None,
+    position=0,
+    penalties=(),
+    bias=(),
+) -> SamplingTensors:
     """Per-row arrays (scalars broadcast); ``penalties``: unique (row, token, output count); ``bias``: (row, token, value)."""
+
     def row(v, dtype):
         return np.broadcast_to(np.asarray(v, dtype), (R,)).copy()
+
     seeds = np.arange(R, dtype=np.uint64) if seeds is None else np.asarray(seeds, np.uint64)
     pen = np.asarray(penalties, np.int64).reshape(-1, 3)
     b = np.asarray(bias, np.float64).reshape(-1, 3)
     return SamplingTensors(
-        temperature=row(temperature, np.float32), top_k=row(top_k, np.int32), top_p=row(top_p, np.float32),
-        min_p=row(min_p, np.float32), presence_penalty=row(presence, np.float32),
-        frequency_penalty=row(frequency, np.float32), repetition_penalty=row(repetition, np.float32),
-        seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32), seed_hi=(seeds >> 32).astype(np.uint32),
+        temperature=row(temperature, np.float32),
+        top_k=row(top_k, np.int32),
+        top_p=row(top_p, np.float32),
+        min_p=row(min_p, np.float32),
+        presence_penalty=row(presence, np.float32),
+        frequency_penalty=row(frequency, np.float32),
+        repetition_penalty=row(repetition, np.float32),
+        seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32),
+        seed_hi=(seeds >> 32).astype(np.uint32),
         position=row(position, np.int32),
-        penalty_rows=pen[:, 0].astype(np.int32), penalty_tokens=pen[:, 1].astype(np.int32),
+        penalty_rows=pen[:, 0].astype(np.int32),
+        penalty_tokens=pen[:, 1].astype(np.int32),
         penalty_counts=pen[:, 2].astype(np.float32),
-        bias_rows=b[:, 0].astype(np.int32), bias_tokens=b[:, 1].astype(np.int32), bias_values=b[:, 2].astype(np.float32))
+        bias_rows=b[:, 0].astype(np.int32),
+        bias_tokens=b[:, 1].astype(np.int32),
+        bias_values=b[:, 2].astype(np.float32),
+    )
 
 
 def flags_for(st: SamplingTensors, num_logprobs: int = -1) -> SamplerFlags:
     sampled = st.temperature > 0
-    return SamplerFlags(all_greedy=not sampled.any(), penalties=len(st.penalty_rows) > 0,
-                        bias=len(st.bias_rows) > 0,
-                        top_k_top_p=bool(((st.top_k > 0) | (st.top_p < 1))[sampled].any()),
-                        num_logprobs=num_logprobs)
+    return SamplerFlags(
+        all_greedy=not sampled.any(),
+        penalties=len(st.penalty_rows) > 0,
+        bias=len(st.bias_rows) > 0,
+        top_k_top_p=bool(((st.top_k > 0) | (st.top_p < 1))[sampled].any()),
+        num_logprobs=num_logprobs,
+    )
 
 
 def exact_target(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -57,7 +89,7 @@ def exact_target(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=
         q = np.where(keep, p, 0.0)
         q /= q.sum()
         order = np.argsort(-x, kind="stable")
-        above = np.cumsum(q[order]) - q[order]          # mass of strictly more likely tokens
+        above = np.cumsum(q[order]) - q[order]  # mass of strictly more likely tokens
         nucleus = np.zeros_like(keep)
         nucleus[order] = above < top_p
         keep &= nucleus
@@ -126,10 +158,19 @@ def hf_target(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0
 
 
 # min_p and top_p are left out together: vLLM (and so jaxpaged) applies min_p first, transformers last.
-@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(top_k=7), dict(top_p=0.6),
-                                    dict(temperature=1.3, top_k=15, top_p=0.9), dict(min_p=0.15),
-                                    dict(temperature=0.8, top_k=10, min_p=0.1), dict(top_p=0.95)],
-                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(top_k=7),
+        dict(top_p=0.6),
+        dict(temperature=1.3, top_k=15, top_p=0.9),
+        dict(min_p=0.15),
+        dict(temperature=0.8, top_k=10, min_p=0.1),
+        dict(top_p=0.95),
+    ],
+    ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()),
+)
 def test_draws_follow_transformers_warpers(params):
     logits = logits_row(50, 2.5, seed=1)
     target = hf_target(logits, **params)
@@ -139,8 +180,8 @@ def test_draws_follow_transformers_warpers(params):
 
 def test_greedy_is_first_argmax_including_ties():
     rng = np.random.default_rng(2)
-    for V in (384, 300, 49152):                        # block sizes 128, padded 256, 256
-        logits = rng.integers(-3, 4, size=(8, V)).astype(np.float32)   # many ties
+    for V in (384, 300, 49152):  # block sizes 128, padded 256, 256
+        logits = rng.integers(-3, 4, size=(8, V)).astype(np.float32)  # many ties
         st = tensors(8, temperature=0.0)
         assert (np.asarray(_sample(logits, st, flags_for(st)).tokens) == logits.argmax(-1)).all()
 
@@ -149,8 +190,9 @@ def test_penalties_exact_on_hand_made_case():
     logits = np.array([[2.0, -1.0, 0.5, 0.0, 3.0], [2.0, -1.0, 0.5, 0.0, 3.0]], np.float32)
     # Row 0: prompt [0, 1], output [1, 2, 2]; row 1 has no penalties and must not change.
     pen = [(0, 0, 0), (0, 1, 1), (0, 2, 2)]
-    st = tensors(2, temperature=0.0, repetition=[2.0, 1.0], frequency=[0.5, 0.0], presence=[0.25, 0.0],
-                 penalties=pen)
+    st = tensors(
+        2, temperature=0.0, repetition=[2.0, 1.0], frequency=[0.5, 0.0], presence=[0.25, 0.0], penalties=pen
+    )
     got = np.asarray(_process(logits, st, flags_for(st)))
     # repetition on {0, 1, 2}: 2/2, -1*2, 0.5/2; then frequency 0.5 x count, presence 0.25 if count > 0.
     np.testing.assert_array_equal(got[0], [1.0, -2.0 - 0.5 - 0.25, 0.25 - 1.0 - 0.25, 0.0, 3.0])
@@ -166,7 +208,9 @@ def test_repetition_penalty_matches_transformers():
     st = tensors(3, temperature=0.0, repetition=penalties, penalties=pen)
     got = np.asarray(_process(logits, st, flags_for(st)))
     for i, s in enumerate(seqs):
-        ref = RepetitionPenaltyLogitsProcessor(penalties[i])(torch.tensor(s)[None], torch.tensor(logits[i:i + 1]))
+        ref = RepetitionPenaltyLogitsProcessor(penalties[i])(
+            torch.tensor(s)[None], torch.tensor(logits[i : i + 1])
+        )
         np.testing.assert_allclose(got[i], ref[0].numpy(), rtol=1e-6)
 
 
@@ -194,7 +238,9 @@ def test_logprobs_ranks_and_top_n():
     ref = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1).numpy()
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(16), tokens], atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out.ranks), (ref > ref[np.arange(16), tokens][:, None]).sum(-1) + 1)
+    np.testing.assert_array_equal(
+        np.asarray(out.ranks), (ref > ref[np.arange(16), tokens][:, None]).sum(-1) + 1
+    )
     order = np.argsort(-ref, -1)[:, :8]
     np.testing.assert_array_equal(np.asarray(out.top_ids), order)
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(ref, order, -1), atol=1e-5)
@@ -210,14 +256,22 @@ def test_seeded_draws_are_batch_invariant():
     alone = []
     for pos in range(n):
         defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        st = tensors(8, **{k: [v] + [defaults[k]] * 7 for k, v in target.items()},
-                     seeds=[1234] + list(range(7)), position=pos)
+        st = tensors(
+            8,
+            **{k: [v] + [defaults[k]] * 7 for k, v in target.items()},
+            seeds=[1234] + list(range(7)),
+            position=pos,
+        )
         batch = np.concatenate([row[None], rng.normal(size=(7, V)).astype(np.float32)])
         alone.append(int(_sample(batch, st, flags_for(st)).tokens[0]))
     R = 32
     for pos in range(n):
-        others = dict(temperature=rng.uniform(0, 2, R), top_k=rng.choice([0, 5, 100], R),
-                      top_p=rng.choice([1.0, 0.5], R), min_p=rng.choice([0.0, 0.3], R))
+        others = dict(
+            temperature=rng.uniform(0, 2, R),
+            top_k=rng.choice([0, 5, 100], R),
+            top_p=rng.choice([1.0, 0.5], R),
+            min_p=rng.choice([0.0, 0.3], R),
+        )
         for k, v in target.items():
             others[k][R // 2] = v
         seeds = rng.integers(0, 2**63, R).astype(np.uint64)

@@ -23,16 +23,34 @@ from jaxpaged.scheduler import Scheduler, SchedulerOutput
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
-    return Request(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens),
-                   max_tokens=max_tokens, seed=0, multi_step=True, priority=priority)
+    return Request(
+        rid,
+        [7] * prompt_len,
+        SamplingParams(max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        seed=0,
+        multi_step=True,
+        priority=priority,
+    )
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
-                   chunked: bool = True, max_model_len: int = 1024, num_scheduler_steps: int = 1,
-                   policy: str = "fcfs") -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs, chunked, num_scheduler_steps=num_scheduler_steps,
-                                     scheduling_policy=policy),
-                     KVCacheManager(num_blocks, block_size), max_model_len)
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 16,
+    max_seqs: int = 8,
+    chunked: bool = True,
+    max_model_len: int = 1024,
+    num_scheduler_steps: int = 1,
+    policy: str = "fcfs",
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            budget, max_seqs, chunked, num_scheduler_steps=num_scheduler_steps, scheduling_policy=policy
+        ),
+        KVCacheManager(num_blocks, block_size),
+        max_model_len,
+    )
 
 
 class FakeEngine:
@@ -46,8 +64,8 @@ class FakeEngine:
         self.kv = sched.kv_cache_manager
         self.lag = lag
         self.in_flight: list[Request] = []
-        self.computed = Counter[str]()   # tokens computed per request, recomputation included
-        self.lost = Counter[str]()       # tokens thrown away by preemption
+        self.computed = Counter[str]()  # tokens computed per request, recomputation included
+        self.lost = Counter[str]()  # tokens thrown away by preemption
         self.num_steps = 0
 
     def step(self) -> SchedulerOutput:
@@ -57,19 +75,22 @@ class FakeEngine:
         out = sched.schedule()
         self.num_steps += 1
         self._check_output(out, running_before, waiting_before, computed_before)
-        for req in out.preempted:       # (a victim whose last token is in flight loses nothing: it is done)
+        for req in out.preempted:  # (a victim whose last token is in flight loses nothing: it is done)
             if req.num_output_tokens + req.num_output_placeholders < req.max_tokens:
                 self.lost[req.request_id] += computed_before[req.request_id]
         for req, n in zip(out.requests, out.num_new_tokens):
             self.computed[req.request_id] += n
-        sampled = [(req, n if out.num_steps > 1 else 1)
-                   for req, n, samples in zip(out.requests, out.num_new_tokens, out.samples) if samples]
+        sampled = [
+            (req, n if out.num_steps > 1 else 1)
+            for req, n, samples in zip(out.requests, out.num_new_tokens, out.samples)
+            if samples
+        ]
         if self.lag:
             sampled, self.in_flight = self.in_flight, sampled
         for req, count in sampled:
             for _ in range(count):
                 req.num_output_placeholders -= 1
-                if req.is_finished:        # aborted while its step was in flight
+                if req.is_finished:  # aborted while its step was in flight
                     continue
                 req.output_token_ids.append(len(req.output_token_ids))
                 if req.num_output_tokens == req.max_tokens:
@@ -77,13 +98,20 @@ class FakeEngine:
         check_scheduler_state(sched)
         return out
 
-    def _check_output(self, out: SchedulerOutput, running_before: list[Request],
-                      waiting_before: list[Request], computed_before: dict[str, int]) -> None:
+    def _check_output(
+        self,
+        out: SchedulerOutput,
+        running_before: list[Request],
+        waiting_before: list[Request],
+        computed_before: dict[str, int],
+    ) -> None:
         cfg = self.sched.config
         assert len(out.requests) == len(out.num_new_tokens) == len(out.start_positions)
         assert out.total_num_tokens == sum(out.num_new_tokens)
         # A group of steps computes one token per row in each step.
-        assert (len(out.requests) if out.num_steps > 1 else out.total_num_tokens) <= cfg.max_num_batched_tokens
+        assert (
+            len(out.requests) if out.num_steps > 1 else out.total_num_tokens
+        ) <= cfg.max_num_batched_tokens
         assert len(out.requests) <= cfg.max_num_seqs
         assert out.is_empty == (not out.requests)
         assert out.blocks_to_copy == []
@@ -94,24 +122,32 @@ class FakeEngine:
             assert start == computed_before[req.request_id]
             assert req.num_computed_tokens == start + n
             # A row samples when it reaches its last known token (which then has a placeholder after it).
-            assert start + n == req.num_tokens_with_placeholders - 1 if samples else start + n < req.num_tokens
+            assert (
+                start + n == req.num_tokens_with_placeholders - 1 if samples else start + n < req.num_tokens
+            )
             assert start + n <= self.sched.max_model_len
             assert req.status is RequestStatus.RUNNING
             assert req.num_output_tokens + req.num_output_placeholders <= req.max_tokens
         # Running requests first, as a prefix of admission order; then waiting ones, FCFS.
         # (Passing over running requests that wait for their last token, in flight.)
         k = sum(r in running_before for r in out.requests)
-        eligible = [r for r in running_before if r in out.requests or (
-            r.num_output_tokens + r.num_output_placeholders < r.max_tokens and r not in out.preempted)]
+        eligible = [
+            r
+            for r in running_before
+            if r in out.requests
+            or (r.num_output_tokens + r.num_output_placeholders < r.max_tokens and r not in out.preempted)
+        ]
         if out.num_steps > 1:
             # A group: every running request with outputs left, those with more steps first.
-            assert 1 < out.num_steps == cfg.num_scheduler_steps and not out.preempted and k == len(out.requests)
+            assert (
+                1 < out.num_steps == cfg.num_scheduler_steps and not out.preempted and k == len(out.requests)
+            )
             assert sorted(map(id, out.requests)) == sorted(map(id, eligible))
             assert out.num_new_tokens == sorted(out.num_new_tokens, reverse=True)
             assert max(out.num_new_tokens) <= out.num_steps
             return
         assert out.requests[:k] == eligible[:k]
-        assert out.requests[k:] == waiting_before[:len(out.requests) - k]
+        assert out.requests[k:] == waiting_before[: len(out.requests) - k]
         if out.preempted:
             assert k == len(out.requests), "admitted a waiting request in a step that preempted"
         for victim in out.preempted:
@@ -121,14 +157,21 @@ class FakeEngine:
         admitted = len(out.requests) - k
         # Waiting order is kept, victims queued among it: at the front (oldest first), by priority, or
         # (making room for a new request) right behind it.
-        assert sorted(map(id, self.sched.waiting)) == sorted(map(id, out.preempted + waiting_before[admitted:]))
+        assert sorted(map(id, self.sched.waiting)) == sorted(
+            map(id, out.preempted + waiting_before[admitted:])
+        )
         assert [r for r in self.sched.waiting if r not in out.preempted] == waiting_before[admitted:]
-        front = list(self.sched.waiting)[:len(out.preempted)]
+        front = list(self.sched.waiting)[: len(out.preempted)]
         if not self.sched.by_priority and all(r in out.preempted for r in front):
             assert front == out.preempted[::-1]
         # A running request not scheduled is out of budget, or waits for its last token, in flight.
-        unscheduled = [r for r in running_before if r not in out.requests and r not in out.preempted
-                       and r.num_output_tokens + r.num_output_placeholders < r.max_tokens]
+        unscheduled = [
+            r
+            for r in running_before
+            if r not in out.requests
+            and r not in out.preempted
+            and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+        ]
         if unscheduled:
             assert out.total_num_tokens == cfg.max_num_batched_tokens
 
@@ -145,7 +188,7 @@ def check_scheduler_state(sched: Scheduler) -> None:
     assert sched.num_running == len(sched.running) and sched.num_waiting == len(sched.waiting)
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
-    if sched.by_priority:       # the preemption victim, last, has the lowest priority
+    if sched.by_priority:  # the preemption victim, last, has the lowest priority
         assert [r.priority for r in sched.running] == sorted(r.priority for r in sched.running)
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -172,9 +215,11 @@ def assert_all_done(sched: Scheduler, requests: list[Request]) -> None:
 
 
 def test_modules_do_not_import_jax_or_numpy() -> None:
-    code = ("import sys, jaxpaged.scheduler, jaxpaged.kv_cache_manager; "
-            "bad = [m for m in ('jax', 'jaxlib', 'numpy') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, jaxpaged.scheduler, jaxpaged.kv_cache_manager; "
+        "bad = [m for m in ('jax', 'jaxlib', 'numpy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -211,9 +256,9 @@ def test_chunked_prefill_off_keeps_prompts_whole_and_fcfs() -> None:
     b, c = make_request("b", 8, 1), make_request("c", 2, 1)
     sched.add_request(b)
     sched.add_request(c)
-    out = eng.step()                    # a decodes; b (8) does not fit the 7 left; c waits behind b
+    out = eng.step()  # a decodes; b (8) does not fit the 7 left; c waits behind b
     assert (out.requests, out.num_new_tokens) == ([a], [1])
-    eng.step()                          # a's last token
+    eng.step()  # a's last token
     assert a.is_finished
     out = eng.step()
     assert (out.requests, out.num_new_tokens) == ([b], [8])
@@ -238,7 +283,7 @@ def test_chunked_prefill_off_splits_only_a_resumed_request_longer_than_the_budge
             i = out.requests.index(b)
             resumed_chunks.append((out.start_positions[i], out.num_new_tokens[i]))
     assert b.num_preemptions == 1
-    assert resumed_chunks[:2] == [(0, 6), (6, 2)]   # 8 known tokens > budget 6: split
+    assert resumed_chunks[:2] == [(0, 6), (6, 2)]  # 8 known tokens > budget 6: split
     assert a.num_output_tokens == 8 and b.num_output_tokens == 5
     assert_all_done(sched, [a, b])
 
@@ -252,7 +297,7 @@ def test_max_num_seqs_limits_admission() -> None:
     out = eng.step()
     assert out.requests == reqs[:2] and sched.num_waiting == 1
     out = eng.step()
-    assert out.requests == reqs[:2]     # both finish now
+    assert out.requests == reqs[:2]  # both finish now
     out = eng.step()
     assert out.requests == reqs[2:]
     eng.run(max_steps=10)
@@ -281,7 +326,7 @@ def test_a_multi_prompt_request_takes_turns_with_later_requests() -> None:
 
     other = [make_request(f"other{i}", 2, 20) for i in range(3)]
     sched.add_requests(other)
-    assert list(sched.waiting)[:6] == [big[1], other[0], big[2], other[1], big[3], other[2]]   # resumed first
+    assert list(sched.waiting)[:6] == [big[1], other[0], big[2], other[1], big[3], other[2]]  # resumed first
     eng.run(max_steps=20000)
     assert_all_done(sched, [*big, small, *other])
 
@@ -296,7 +341,7 @@ def test_making_room_for_a_new_request_keeps_each_request_one_running() -> None:
     sched.add_requests(b)
     eng.step()
     wide = make_request("wide", 2, 2)
-    wide.reserved_seqs = 2                  # n = 3: 3 slots, but only 2 can be freed
+    wide.reserved_seqs = 2  # n = 3: 3 slots, but only 2 can be freed
     sched.add_request(wide)
     assert not eng.step().preempted and sched.num_running == 4
 
@@ -328,18 +373,22 @@ def test_add_requests_is_all_or_nothing() -> None:
 def test_priority_policy_runs_the_lowest_priority_value_first_and_preempts_the_highest() -> None:
     """vLLM's ``priority`` policy: waiting requests by (priority, arrival); the running request with
     the largest priority value is the preemption victim, even when it is not the newest."""
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=16, policy="priority")   # 3 blocks of 4
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=16, policy="priority")  # 3 blocks of 4
     eng = FakeEngine(sched)
-    low, high, mid = make_request("low", 4, 4, priority=5), make_request("high", 1, 3), make_request("mid", 1, 3, 1)
+    low, high, mid = (
+        make_request("low", 4, 4, priority=5),
+        make_request("high", 1, 3),
+        make_request("mid", 1, 3, 1),
+    )
     for r in (low, high, mid):
         sched.add_request(r)
     assert list(sched.waiting) == [high, mid, low]
     assert eng.step().requests == [high, mid, low] and sched.running == [high, mid, low]
-    out = eng.step()                     # low crosses into a second block: it is the victim itself
+    out = eng.step()  # low crosses into a second block: it is the victim itself
     assert out.preempted == [low] and sched.running == [high, mid]
     later = make_request("later", 1, 1, priority=9)
     sched.add_request(later)
-    assert list(sched.waiting) == [low, later]      # a resumed request goes before new ones of lower priority
+    assert list(sched.waiting) == [low, later]  # a resumed request goes before new ones of lower priority
     eng.run(max_steps=40)
     assert_all_done(sched, [low, high, mid, later])
 
@@ -384,12 +433,12 @@ def test_running_request_preempts_itself_when_it_is_the_newest() -> None:
     a, b, c = make_request("a", 4, 4), make_request("b", 2, 2), make_request("c", 1, 1)
     sched.add_request(a)
     sched.add_request(b)
-    eng.step()                           # a: 2 blocks, b: 1 block, 1 free
+    eng.step()  # a: 2 blocks, b: 1 block, 1 free
     sched.add_request(c)
-    out = eng.step()                     # a takes the last block, b cannot get one
+    out = eng.step()  # a takes the last block, b cannot get one
     assert out.requests == [a] and out.preempted == [b]
     assert list(sched.waiting) == [b, c]
-    out = eng.step()                     # b still does not fit, c must not jump the queue
+    out = eng.step()  # b still does not fit, c must not jump the queue
     assert out.requests == [a]
     eng.run(max_steps=20)
     assert [r.num_output_tokens for r in (a, b, c)] == [4, 2, 1]
@@ -397,7 +446,7 @@ def test_running_request_preempts_itself_when_it_is_the_newest() -> None:
 
 
 def test_lone_request_filling_the_whole_pool_finishes() -> None:
-    sched = make_scheduler(num_blocks=5, block_size=4, budget=3)   # 16 tokens of KV
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=3)  # 16 tokens of KV
     eng = FakeEngine(sched)
     big = make_request("big", 10, 6)
     small = [make_request(f"s{i}", 2, 3) for i in range(3)]
@@ -459,10 +508,11 @@ def _abort_preempted(sched: Scheduler, eng: FakeEngine) -> Request:
     raise AssertionError("victim was never preempted")
 
 
-@pytest.mark.parametrize("put_in_state", [_abort_waiting, _abort_mid_prefill, _abort_running,
-                                          _abort_preempted])
+@pytest.mark.parametrize(
+    "put_in_state", [_abort_waiting, _abort_mid_prefill, _abort_running, _abort_preempted]
+)
 def test_abort_in_every_state_frees_everything(put_in_state) -> None:
-    sched = make_scheduler(num_blocks=12, block_size=4, budget=16)   # 11 usable blocks
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=16)  # 11 usable blocks
     eng = FakeEngine(sched)
     other = make_request("other", 3, 6)
     sched.add_request(other)
@@ -477,7 +527,7 @@ def test_abort_in_every_state_frees_everything(put_in_state) -> None:
     assert kv.num_free_blocks == kv.pool.num_usable_blocks - others_blocks
     check_scheduler_state(sched)
     assert sched.abort_request("victim") is None
-    sched.finish_request(victim, RequestStatus.FINISHED_LENGTH)   # late finish: a no-op
+    sched.finish_request(victim, RequestStatus.FINISHED_LENGTH)  # late finish: a no-op
     assert victim.status is RequestStatus.FINISHED_ABORTED
     eng.run(max_steps=100)
     assert other.status is RequestStatus.FINISHED_LENGTH and other.num_output_tokens == 6
@@ -501,14 +551,18 @@ def test_finish_request_needs_a_finished_status() -> None:
     assert_all_done(sched, [r])
 
 
-@pytest.mark.parametrize("prompt_len,max_tokens,chunked,match", [
-    (0, 4, True, "empty prompt"),
-    (60, 5, True, "exceeds max_model_len.*shorten the prompt or lower max_tokens"),
-    (30, 11, True, "needs 11 KV blocks.*only 10.*more blocks"),
-    (17, 1, False, "longer than max_num_batched_tokens.*enable chunked prefill"),
-])
-def test_impossible_requests_rejected_without_trace(prompt_len: int, max_tokens: int,
-                                                     chunked: bool, match: str) -> None:
+@pytest.mark.parametrize(
+    "prompt_len,max_tokens,chunked,match",
+    [
+        (0, 4, True, "empty prompt"),
+        (60, 5, True, "exceeds max_model_len.*shorten the prompt or lower max_tokens"),
+        (30, 11, True, "needs 11 KV blocks.*only 10.*more blocks"),
+        (17, 1, False, "longer than max_num_batched_tokens.*enable chunked prefill"),
+    ],
+)
+def test_impossible_requests_rejected_without_trace(
+    prompt_len: int, max_tokens: int, chunked: bool, match: str
+) -> None:
     # 10 usable blocks of 4 tokens (40 tokens), max_model_len 64, budget 16.
     sched = make_scheduler(num_blocks=11, block_size=4, budget=16, chunked=chunked, max_model_len=64)
     eng = FakeEngine(sched)
@@ -520,7 +574,7 @@ def test_impossible_requests_rejected_without_trace(prompt_len: int, max_tokens:
     assert sched.get_request("bad") is None and sched.num_waiting == 0 and sched.running == [ok]
     eng.run(max_steps=10)
     assert ok.num_output_tokens == 3
-    fine = make_request("bad", 4, 2)       # the same id is free to use
+    fine = make_request("bad", 4, 2)  # the same id is free to use
     sched.add_request(fine)
     eng.run(max_steps=20)
     assert fine.num_output_tokens == 2
@@ -543,19 +597,22 @@ def test_non_positive_max_tokens_rejected() -> None:
     assert not sched.has_unfinished_requests()
 
 
-workload = st.fixed_dictionaries({
-    "block_size": st.sampled_from([1, 2, 4, 8]),
-    "extra_blocks": st.integers(0, 6),
-    "extra_budget": st.integers(0, 12),
-    "max_seqs": st.integers(1, 6),
-    "chunked": st.booleans(),
-    "lag": st.booleans(),
-    "num_scheduler_steps": st.sampled_from([1, 1, 3, 8]),
-    # (prompt_len, max_tokens, arrival_step)
-    "requests": st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(0, 15)),
-                         min_size=1, max_size=10),
-    "grouped": st.booleans(),       # the requests arriving in one step are one multi-prompt request
-})
+workload = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "extra_blocks": st.integers(0, 6),
+        "extra_budget": st.integers(0, 12),
+        "max_seqs": st.integers(1, 6),
+        "chunked": st.booleans(),
+        "lag": st.booleans(),
+        "num_scheduler_steps": st.sampled_from([1, 1, 3, 8]),
+        # (prompt_len, max_tokens, arrival_step)
+        "requests": st.lists(
+            st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(0, 15)), min_size=1, max_size=10
+        ),
+        "grouped": st.booleans(),  # the requests arriving in one step are one multi-prompt request
+    }
+)
 
 
 @settings(max_examples=120, deadline=None)
@@ -566,8 +623,15 @@ def test_random_workloads_finish_within_budgets(w: dict) -> None:
     max_prompt = max(p for p, _, _ in w["requests"])
     num_blocks = 1 + -(-max_total // bs) + w["extra_blocks"]
     budget = (max_prompt if not w["chunked"] else 1) + w["extra_budget"]
-    sched = make_scheduler(num_blocks, bs, budget, w["max_seqs"], w["chunked"], max_model_len=max_total,
-                           num_scheduler_steps=w["num_scheduler_steps"])
+    sched = make_scheduler(
+        num_blocks,
+        bs,
+        budget,
+        w["max_seqs"],
+        w["chunked"],
+        max_model_len=max_total,
+        num_scheduler_steps=w["num_scheduler_steps"],
+    )
     eng = FakeEngine(sched, lag=w["lag"])
     reqs = [make_request(str(i), p, m) for i, (p, m, _) in enumerate(w["requests"])]
     arrivals = sorted(range(len(reqs)), key=lambda i: w["requests"][i][2])
@@ -591,14 +655,14 @@ def test_random_workloads_finish_within_budgets(w: dict) -> None:
     for r in reqs:
         assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
         assert eng.computed[r.request_id] == r.num_tokens - 1 + eng.lost[r.request_id]
-        assert eng.lost[r.request_id] == 0 or r.num_preemptions > 0   # (a finishing victim loses nothing)
+        assert eng.lost[r.request_id] == 0 or r.num_preemptions > 0  # (a finishing victim loses nothing)
     assert_all_done(sched, reqs)
 
 
 @pytest.mark.parametrize("lag", [False, True])
 def test_tiny_pool_forces_preemption_and_outputs_stay_right(lag: bool) -> None:
     rng = random.Random(1234)
-    sched = make_scheduler(num_blocks=9, block_size=2, budget=10, max_seqs=6)   # 16 tokens of KV
+    sched = make_scheduler(num_blocks=9, block_size=2, budget=10, max_seqs=6)  # 16 tokens of KV
     eng = FakeEngine(sched, lag=lag)
     reqs = [make_request(str(i), rng.randint(1, 8), rng.randint(1, 8)) for i in range(20)]
     for r in reqs:
@@ -614,13 +678,34 @@ def test_tiny_pool_forces_preemption_and_outputs_stay_right(lag: bool) -> None:
 class SchedulerMachine(RuleBasedStateMachine):
     """Random interleavings of add (possibly impossible), step and abort (any state)."""
 
-    @initialize(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]),
-                budget=st.integers(1, 12), max_seqs=st.integers(1, 4), chunked=st.booleans(), lag=st.booleans(),
-                num_scheduler_steps=st.sampled_from([1, 4]))
-    def setup(self, num_blocks: int, block_size: int, budget: int, max_seqs: int,
-              chunked: bool, lag: bool, num_scheduler_steps: int) -> None:
-        self.sched = make_scheduler(num_blocks, block_size, budget, max_seqs, chunked, max_model_len=40,
-                                    num_scheduler_steps=num_scheduler_steps)
+    @initialize(
+        num_blocks=st.integers(2, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(1, 12),
+        max_seqs=st.integers(1, 4),
+        chunked=st.booleans(),
+        lag=st.booleans(),
+        num_scheduler_steps=st.sampled_from([1, 4]),
+    )
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_seqs: int,
+        chunked: bool,
+        lag: bool,
+        num_scheduler_steps: int,
+    ) -> None:
+        self.sched = make_scheduler(
+            num_blocks,
+            block_size,
+            budget,
+            max_seqs,
+            chunked,
+            max_model_len=40,
+            num_scheduler_steps=num_scheduler_steps,
+        )
         self.eng = FakeEngine(self.sched, lag=lag)
         self.next_id = 0
         self.known: dict[str, Request] = {}

@@ -31,45 +31,105 @@ CLIENT_BODIES = [
     # guidellm, src/guidellm/backends/openai/request_handlers.py (vllm-project/guidellm),
     # TextCompletionsRequestHandler.format: streamed, usage on every chunk, a fixed output length (stop null,
     # ignore_eos); its chat handler sends the prompt as content parts {"type": "text", "text": ...}.
-    ("guidellm-completions", "/v1/completions", {
-        "model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stop": None,
-        "ignore_eos": True},
-     set()),
-    ("guidellm-chat", "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
-        "max_tokens": 8, "max_completion_tokens": 8, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True},
-     set()),
+    (
+        "guidellm-completions",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "The quick brown fox",
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stop": None,
+            "ignore_eos": True,
+        },
+        set(),
+    ),
+    (
+        "guidellm-chat",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
+            "max_tokens": 8,
+            "max_completion_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": True,
+        },
+        set(),
+    ),
     # lm-eval, lm_eval/models/openai_completions.py (EleutherAI/lm-evaluation-harness),
     # LocalCompletionsAPI._create_payload(generate=True): gen_kwargs' leftovers pass through.
-    ("lm-eval-local-completions", "/v1/completions", {
-        "prompt": ["Question: 2+2?\nAnswer:"], "model": MODEL, "max_tokens": 8, "temperature": 0,
-        "stop": ["\n\n", "Question:"], "seed": 1234, "top_p": 1.0},
-     set()),
+    (
+        "lm-eval-local-completions",
+        "/v1/completions",
+        {
+            "prompt": ["Question: 2+2?\nAnswer:"],
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stop": ["\n\n", "Question:"],
+            "seed": 1234,
+            "top_p": 1.0,
+        },
+        set(),
+    ),
     # lm-eval, the same file, LocalChatCompletion._create_payload; with --apply_chat_template its
     # messages carry "type": "text" (lm_eval/models/api_models.py, JsonChatStr -> messages).
-    ("lm-eval-local-chat-completions", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Question: 2+2?\nAnswer:", "type": "text"}], "model": MODEL,
-        "max_tokens": 8, "temperature": 0, "stop": ["<|endoftext|>"], "seed": 1234},
-     {"messages[].type"}),
+    (
+        "lm-eval-local-chat-completions",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Question: 2+2?\nAnswer:", "type": "text"}],
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stop": ["<|endoftext|>"],
+            "seed": 1234,
+        },
+        {"messages[].type"},
+    ),
     # LangChain's ChatOpenAI with stream_usage on: the body's shape (OpenAI's chat fields and stream_options),
     # written here, not read from langchain_openai's source.
-    ("langchain-chat-openai", "/v1/chat/completions", {
-        "messages": CHAT, "model": MODEL, "stream": True, "n": 1, "temperature": 0.7, "max_tokens": 8,
-        "stream_options": {"include_usage": True}},
-     set()),
+    (
+        "langchain-chat-openai",
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "model": MODEL,
+            "stream": True,
+            "n": 1,
+            "temperature": 0.7,
+            "max_tokens": 8,
+            "stream_options": {"include_usage": True},
+        },
+        set(),
+    ),
     # LiteLLM's hosted_vllm provider: OpenAI's body plus what a caller passes through (metadata, store, user,
     # vLLM's chat_template_kwargs): the body's shape, written here, not read from litellm's source.
-    ("litellm-hosted-vllm", "/v1/chat/completions", {
-        "model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0.2, "stream": False,
-        "store": False, "metadata": {"trace": "x"}, "user": "u1",
-        "chat_template_kwargs": {"enable_thinking": False}},
-     {"store", "metadata"}),
+    (
+        "litellm-hosted-vllm",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 8,
+            "temperature": 0.2,
+            "stream": False,
+            "store": False,
+            "metadata": {"trace": "x"},
+            "user": "u1",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        {"store", "metadata"},
+    ),
 ]
 
 
-@pytest.mark.parametrize("path, body, ignored", [c[1:] for c in CLIENT_BODIES], ids=[c[0] for c in CLIENT_BODIES])
+@pytest.mark.parametrize(
+    "path, body, ignored", [c[1:] for c in CLIENT_BODIES], ids=[c[0] for c in CLIENT_BODIES]
+)
 def test_client_bodies_are_served(http, caplog, path, body, ignored):
     with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
         resp = http.post(path, json=body)
@@ -79,8 +139,11 @@ def test_client_bodies_are_served(http, caplog, path, body, ignored):
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] > 0
-        text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
-                       for c in chunks if c["choices"])
+        text = "".join(
+            c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+            for c in chunks
+            if c["choices"]
+        )
     else:
         choice = resp.json()["choices"][0]
         text = choice.get("text", choice.get("message", {}).get("content"))
@@ -94,9 +157,15 @@ def test_client_bodies_are_served(http, caplog, path, body, ignored):
 
 
 def test_unknown_fields_at_every_depth_are_named_in_one_warning(http, caplog):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}],
-                          "type": "text"}],
-            "max_tokens": 2, "frobnicate": 1, "stream": True, "stream_options": {"include_usage": True, "zz": 1}}
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}], "type": "text"}
+        ],
+        "max_tokens": 2,
+        "frobnicate": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True, "zz": 1},
+    }
     with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
         assert http.post("/v1/chat/completions", json=body).status_code == 200
     message = ignored_warning(caplog)
@@ -105,10 +174,17 @@ def test_unknown_fields_at_every_depth_are_named_in_one_warning(http, caplog):
 
 
 def test_continuous_usage_stats_puts_usage_on_every_chunk(http):
-    for path, prompt in (("/v1/completions", {"prompt": "Once upon"}),
-                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        body = {**prompt, "max_tokens": 6, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, prompt in (
+        ("/v1/completions", {"prompt": "Once upon"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {
+            **prompt,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         chunks = [json.loads(e) for e in sse_events(http.post(path, json=body))[:-1]]
         usages = [c["usage"] for c in chunks]
         assert all(u is not None for u in usages), chunks
@@ -121,9 +197,19 @@ def test_openai_client_extra_body_is_served(url, caplog):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
         resp = client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0.0, store=False,
-            metadata={"run": "1"}, extra_body={"top_k": 0, "ignore_eos": True, "mystery": 1,
-                                               "chat_template_kwargs": {"enable_thinking": False}})
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=4,
+            temperature=0.0,
+            store=False,
+            metadata={"run": "1"},
+            extra_body={
+                "top_k": 0,
+                "ignore_eos": True,
+                "mystery": 1,
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        )
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 4
     assert all(name in ignored_warning(caplog) for name in ("store", "metadata", "mystery"))
 
@@ -131,10 +217,17 @@ def test_openai_client_extra_body_is_served(url, caplog):
 def test_chat_template_kwargs_reach_the_template(engine, http):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ greeting | default('') }}"
     with serve(build_app(engine, MODEL, chat_template=template)) as base:
+
         def tokens(**extra) -> list[int]:
-            return httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **extra},
-                              timeout=60).json()["tokens"]
-        assert tokens(chat_template_kwargs={"greeting": " there"}) == engine.tokenizer.encode("hi there", False)
+            return httpx.post(
+                f"{base}/tokenize",
+                json={"messages": [{"role": "user", "content": "hi"}], **extra},
+                timeout=60,
+            ).json()["tokens"]
+
+        assert tokens(chat_template_kwargs={"greeting": " there"}) == engine.tokenizer.encode(
+            "hi there", False
+        )
         assert tokens() == engine.tokenizer.encode("hi", False)
 
 
@@ -149,13 +242,20 @@ def hf_prompt_logprobs(model, ids: list[int]) -> list[float]:
 def test_lm_eval_loglikelihood_twice_with_the_prefix_cache(http, tiny):
     # lm_eval/models/openai_completions.py, LocalCompletionsAPI._create_payload(generate=False).
     ids = [(7 * i + 3) % 300 + 20 for i in range(40)]
-    body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    body = {
+        "model": MODEL,
+        "prompt": [ids],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     answers = [http.post("/v1/completions", json=body) for _ in range(2)]
     assert [a.status_code for a in answers] == [200, 200], answers[-1].text
     first, second = (a.json()["choices"][0]["logprobs"]["token_logprobs"] for a in answers)
     assert first == second and len(first) == len(ids) + 1 and first[0] is None
-    assert first[1:len(ids)] == pytest.approx(hf_prompt_logprobs(tiny[1], ids), abs=1e-3)
+    assert first[1 : len(ids)] == pytest.approx(hf_prompt_logprobs(tiny[1], ids), abs=1e-3)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -176,8 +276,16 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(http, engine, tiny, strea
 
 
 def test_top_k_0_is_top_k_off(http):
-    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 99, "ignore_eos": True}
-    texts = [http.post("/v1/completions", json={**body, "top_k": k}).json()["choices"][0]["text"] for k in (0, -1)]
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 99,
+        "ignore_eos": True,
+    }
+    texts = [
+        http.post("/v1/completions", json={**body, "top_k": k}).json()["choices"][0]["text"] for k in (0, -1)
+    ]
     assert texts[0] == texts[1]
 
 

@@ -21,24 +21,44 @@ from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server import build_app
 from test_server import MODEL, engine, serve  # noqa: F401  (engine: the fixture)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
-                                                                                 "maximum": 14}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A tool-aware template (Hermes style, as Qwen2.5's): tools in the system turn, calls and results as tags.
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
     "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
     "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +92,10 @@ def streamed_message(client, **kw) -> tuple[str | None, list[dict], str]:
         for piece in choice.delta.tool_calls or []:
             if piece.index not in calls:
                 assert piece.id and piece.type == "function" and piece.function.name, piece
-                calls[piece.index] = {"name": piece.function.name, "arguments": piece.function.arguments or ""}
+                calls[piece.index] = {
+                    "name": piece.function.name,
+                    "arguments": piece.function.arguments or "",
+                }
             else:
                 assert piece.id is None and piece.function.name is None, piece
                 calls[piece.index]["arguments"] += piece.function.arguments or ""
@@ -81,7 +104,9 @@ def streamed_message(client, **kw) -> tuple[str | None, list[dict], str]:
 
 def whole_message(client, **kw) -> tuple[str | None, list[dict], str]:
     choice = client.chat.completions.create(**kw).choices[0]
-    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+    calls = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []
+    ]
     assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
     return choice.message.content or None, calls, choice.finish_reason
 
@@ -95,8 +120,16 @@ def check_weather_arguments(arguments: str) -> None:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_required_tool_choice_calls_a_declared_function(client, no_blanks, temperature):
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=temperature, seed=3,
-              max_tokens=120, logit_bias=no_blanks)
+    kw = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=temperature,
+        seed=3,
+        max_tokens=120,
+        logit_bias=no_blanks,
+    )
     whole, streamed = whole_message(client, **kw), streamed_message(client, **kw)
     assert whole == streamed
     content, calls, finish = whole
@@ -111,16 +144,33 @@ def test_required_tool_choice_calls_a_declared_function(client, no_blanks, tempe
 
 
 def test_named_tool_choice_and_parallel_tool_calls_off(client, no_blanks):
-    named = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=4, max_tokens=120, logit_bias=no_blanks,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=1.0,
+        seed=4,
+        max_tokens=120,
+        logit_bias=no_blanks,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole, streamed = whole_message(client, **named), streamed_message(client, **named)
     assert whole == streamed
     content, [call], finish = whole
-    assert content is None and call["name"] == "get_weather" and finish == "stop"     # vLLM's finish reason
+    assert content is None and call["name"] == "get_weather" and finish == "stop"  # vLLM's finish reason
     check_weather_arguments(call["arguments"])
-    single = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, n=4, temperature=1.0, seed=5, max_tokens=120,
-                                            logit_bias=no_blanks)
+    single = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=4,
+        temperature=1.0,
+        seed=5,
+        max_tokens=120,
+        logit_bias=no_blanks,
+    )
     assert all(len(c.message.tool_calls) == 1 for c in single.choices)
 
 
@@ -128,8 +178,14 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     """The output forced (by a regex) to be a Hermes call and some text: the hermes parser returns the call
     and the text before it, streamed or not; with tool_choice "none" the same text is the content."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=150,
-              extra_body={"structured_outputs": {"regex": re.escape("Sure. " + call)}})
+    kw = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0.0,
+        max_tokens=150,
+        extra_body={"structured_outputs": {"regex": re.escape("Sure. " + call)}},
+    )
     whole, streamed = whole_message(client, **kw), streamed_message(client, **kw)
     assert whole == streamed
     content, [parsed], finish = whole
@@ -143,20 +199,46 @@ def test_tool_messages_render_as_transformers_renders_them(client, url, tiny):
     """An assistant turn with tool calls (content null) and the tool's answer: the prompt's tokens equal
     transformers' rendering of the same conversation (arguments as objects) with the tools."""
     conversation = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
-    out = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": conversation, "tools": TOOLS}).json()
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
+    out = httpx.post(
+        f"{url}/tokenize", json={"model": MODEL, "messages": conversation, "tools": TOOLS}
+    ).json()
     reference = [dict(m) for m in conversation]
-    reference[1] = {**reference[1], "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}
+    reference[1] = {
+        **reference[1],
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+            }
+        ],
+    }
     tokenizer = AutoTokenizer.from_pretrained(tiny[0])
-    text = tokenizer.apply_chat_template(reference, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False,
-                                         add_generation_prompt=True)
-    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"' in text and "Tools: get_weather" in text
+    text = tokenizer.apply_chat_template(
+        reference, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"' in text
+        and "Tools: get_weather" in text
+    )
     assert out["tokens"] == tokenizer.encode(text, add_special_tokens=False)
-    answer = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, tool_choice="none",
-                                            max_tokens=4)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
     assert answer.usage.prompt_tokens == len(out["tokens"])
 
 
@@ -169,9 +251,18 @@ class City(BaseModel):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_structured_output_fields_hold_on_every_sample(client, no_blanks, temperature):
     """Each field that names a constraint, on n=8 samples: every one holds (checked here by hand)."""
+
     def texts(**kw) -> list[str]:
-        out = client.completions.create(model=MODEL, prompt="Answer:", n=8, temperature=temperature, seed=6,
-                                        max_tokens=60, logit_bias=no_blanks, **kw)
+        out = client.completions.create(
+            model=MODEL,
+            prompt="Answer:",
+            n=8,
+            temperature=temperature,
+            seed=6,
+            max_tokens=60,
+            logit_bias=no_blanks,
+            **kw,
+        )
         assert all(c.finish_reason == "stop" for c in out.choices), [c.finish_reason for c in out.choices]
         return [c.text for c in out.choices]
 
@@ -181,11 +272,21 @@ def test_structured_output_fields_hold_on_every_sample(client, no_blanks, temper
         assert text in ("yes", "no", "maybe")
     for text in texts(extra_body={"structured_outputs": {"choice": ["red", "green"]}}):
         assert text in ("red", "green")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
-                                                                               "maximum": 9}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    for field in ({"guided_json": schema}, {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "r", "schema": schema, "strict": True}}}):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    for field in (
+        {"guided_json": schema},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": schema, "strict": True},
+            }
+        },
+    ):
         for text in texts(extra_body=field):
             value = json.loads(text)
             assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
@@ -194,8 +295,15 @@ def test_structured_output_fields_hold_on_every_sample(client, no_blanks, temper
 def test_openai_parse_with_a_pydantic_model(client, no_blanks):
     """``chat.completions.parse(response_format=PydanticModel)``: the client's own validation accepts the
     answer (its schema is sent strict: every field required, no others)."""
-    done = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=City, temperature=1.0, seed=7,
-                                         max_tokens=80, logit_bias=no_blanks)
+    done = client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,
+        response_format=City,
+        temperature=1.0,
+        seed=7,
+        max_tokens=80,
+        logit_bias=no_blanks,
+    )
     message = done.choices[0].message
     assert isinstance(message.parsed, City) and message.parsed == City.model_validate_json(message.content)
 
@@ -239,8 +347,11 @@ class Inventory(BaseModel):
 
 @pytest.fixture(scope="module")
 def smollm2_client() -> Iterator[openai.OpenAI]:
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model="smollm2-135m-instruct", kv_cache_memory="96MiB",
-                                                        max_model_len=1024, precompile=False))
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(
+            model="smollm2-135m-instruct", kv_cache_memory="96MiB", max_model_len=1024, precompile=False
+        )
+    )
     try:
         with serve(build_app(engine, "smollm2", tool_call_parser="hermes")) as base:
             yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
@@ -253,29 +364,53 @@ def smollm2_client() -> Iterator[openai.OpenAI]:
 def test_openai_parse_on_smollm2(smollm2_client, temperature):
     """``chat.completions.parse`` with Pydantic models (nested objects, arrays, an enum, bounded numbers, an
     optional field): the client's own validation accepts each answer."""
-    for model, question in ((Person, "Describe a fictional person."), (City, "Describe Paris."),
-                            (Inventory, "List two addresses in a small inventory.")):
+    for model, question in (
+        (Person, "Describe a fictional person."),
+        (City, "Describe Paris."),
+        (Inventory, "List two addresses in a small inventory."),
+    ):
         done = smollm2_client.chat.completions.parse(
-            model="smollm2", messages=[{"role": "user", "content": question}], response_format=model,
-            temperature=temperature, seed=11, max_tokens=400)
+            model="smollm2",
+            messages=[{"role": "user", "content": question}],
+            response_format=model,
+            temperature=temperature,
+            seed=11,
+            max_tokens=400,
+        )
         choice = done.choices[0]
-        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model), choice.message.content
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model), (
+            choice.message.content
+        )
 
 
 @pytest.mark.slow
 def test_tools_regex_and_choice_on_smollm2(smollm2_client):
-    kw = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=200)
+    kw = dict(
+        model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=200
+    )
     whole = whole_message(smollm2_client, **kw)
     assert whole == streamed_message(smollm2_client, **kw)
     content, calls, finish = whole
     assert content is None and finish == "tool_calls"
-    assert calls[0]["name"] == "get_weather"                # the question asks for the weather
+    assert calls[0]["name"] == "get_weather"  # the question asks for the weather
     check_weather_arguments(calls[0]["arguments"])
     out = smollm2_client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Give a date."}], n=8, temperature=1.0, seed=2,
-        max_tokens=20, extra_body={"guided_regex": "20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"})
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give a date."}],
+        n=8,
+        temperature=1.0,
+        seed=2,
+        max_tokens=20,
+        extra_body={"guided_regex": "20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"},
+    )
     assert all(re.fullmatch("20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]", c.message.content) for c in out.choices)
     out = smollm2_client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Is the sky blue?"}], n=8, temperature=1.0, seed=2,
-        max_tokens=5, extra_body={"guided_choice": ["yes", "no"]})
+        model="smollm2",
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        n=8,
+        temperature=1.0,
+        seed=2,
+        max_tokens=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
     assert all(c.message.content in ("yes", "no") for c in out.choices)

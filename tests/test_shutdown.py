@@ -23,8 +23,18 @@ import pytest
 
 TIMEOUT = 2.0
 """The server's --shutdown-timeout."""
-FLAGS = ["--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
-         "--num-gpu-blocks-override", "129", "--log-level", "warning"]
+FLAGS = [
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "2",
+    "--max-num-batched-tokens",
+    "64",
+    "--num-gpu-blocks-override",
+    "129",
+    "--log-level",
+    "warning",
+]
 LONG = {"prompt": "Long one", "max_tokens": 500, "ignore_eos": True}
 
 
@@ -39,8 +49,23 @@ def launch(tiny, tmp_path) -> Iterator:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", str(tiny[0]), "--host",
-                                     "127.0.0.1", "--port", str(port), *FLAGS, *flags], stdout=out, stderr=out)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxpaged.cli",
+                    "serve",
+                    str(tiny[0]),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    *FLAGS,
+                    *flags,
+                ],
+                stdout=out,
+                stderr=out,
+            )
         processes.append(proc)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -70,8 +95,11 @@ async def read_stream(client: httpx.AsyncClient, started: asyncio.Event) -> tupl
                 started.set()
     assert events[-1] == "[DONE]", events[-3:]
     last = json.loads(events[-2])
-    return ("finished" if last.get("choices") and last["choices"][0]["finish_reason"] == "length"
-            else last["error"]["code"]), time.monotonic()
+    return (
+        "finished"
+        if last.get("choices") and last["choices"][0]["finish_reason"] == "length"
+        else last["error"]["code"]
+    ), time.monotonic()
 
 
 async def read_whole(client: httpx.AsyncClient) -> tuple[int, dict]:
@@ -83,7 +111,9 @@ def test_sigterm_drains_for_the_timeout_then_ends_the_rest_and_exits_0(launch):
     proc, url = launch("--shutdown-timeout", str(TIMEOUT))
 
     async def main() -> dict:
-        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=100)) as client:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=60, limits=httpx.Limits(max_connections=100)
+        ) as client:
             started = asyncio.Event()
             streams = [asyncio.ensure_future(read_stream(client, started)) for _ in range(60)]
             whole = [asyncio.ensure_future(read_whole(client)) for _ in range(2)]
@@ -95,29 +125,42 @@ def test_sigterm_drains_for_the_timeout_then_ends_the_rest_and_exits_0(launch):
             refused = []
             for path in ("/v1/completions", "/health"):
                 try:
-                    resp = await client.request("POST" if path != "/health" else "GET", path,
-                                                json={**LONG, "max_tokens": 1} if path != "/health" else None)
+                    resp = await client.request(
+                        "POST" if path != "/health" else "GET",
+                        path,
+                        json={**LONG, "max_tokens": 1} if path != "/health" else None,
+                    )
                     refused.append((resp.status_code, resp.json()["error"]["code"]))
-                except httpx.ConnectError:              # (closed already: as good)
+                except httpx.ConnectError:  # (closed already: as good)
                     refused.append((503, "shutting_down"))
             ended = await asyncio.gather(*streams)
             answers = await asyncio.gather(*whole)
         exit_code = await asyncio.to_thread(proc.wait, TIMEOUT + 10)
-        return dict(t0=t0, refused=refused, ended=ended, answers=answers, exit_code=exit_code,
-                    exited=time.monotonic() - t0)
+        return dict(
+            t0=t0,
+            refused=refused,
+            ended=ended,
+            answers=answers,
+            exit_code=exit_code,
+            exited=time.monotonic() - t0,
+        )
 
     r = asyncio.run(main())
     assert r["refused"] == [(503, "shutting_down")] * 2
     finished = [t - r["t0"] for how, t in r["ended"] if how == "finished"]
     cut = [(how, t - r["t0"]) for how, t in r["ended"] if how != "finished"]
-    assert finished and all(t < TIMEOUT + 0.5 for t in finished)          # the drain let these finish
+    assert finished and all(t < TIMEOUT + 0.5 for t in finished)  # the drain let these finish
     assert cut and all(how == "engine_dead" and TIMEOUT - 0.2 <= t < TIMEOUT + 2 for how, t in cut), cut
     for status, body in r["answers"]:
-        assert (status, body["error"]["code"]) == (503, "engine_dead") or body["choices"][0]["finish_reason"] == "length"
+        assert (status, body["error"]["code"]) == (503, "engine_dead") or body["choices"][0][
+            "finish_reason"
+        ] == "length"
     assert r["exit_code"] == 0 and r["exited"] < TIMEOUT + 5
-    print(f"\nSIGTERM with {len(r['ended'])} streams in flight: {len(finished)} finished, {len(cut)} ended with an "
-          f"error event at {min(t for _, t in cut):.2f}-{max(t for _, t in cut):.2f} s, exit code 0 after "
-          f"{r['exited']:.2f} s (--shutdown-timeout {TIMEOUT:g})")
+    print(
+        f"\nSIGTERM with {len(r['ended'])} streams in flight: {len(finished)} finished, {len(cut)} ended with an "
+        f"error event at {min(t for _, t in cut):.2f}-{max(t for _, t in cut):.2f} s, exit code 0 after "
+        f"{r['exited']:.2f} s (--shutdown-timeout {TIMEOUT:g})"
+    )
 
 
 def test_a_second_signal_exits_at_once(launch):
@@ -131,7 +174,7 @@ def test_a_second_signal_exits_at_once(launch):
             await started.wait()
             proc.send_signal(signal.SIGINT)
             await asyncio.sleep(0.5)
-            assert proc.poll() is None                  # draining
+            assert proc.poll() is None  # draining
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(proc.wait, 20)

@@ -15,9 +15,12 @@ from tiny_models import hf_greedy
 pytestmark = pytest.mark.slow
 needs_native_matmul = pytest.mark.skipif(not native_matmul_available(), reason="native CPU matmul not built")
 
-QUESTIONS = ["What is the capital of France?", "Name three colours.",
-             "Explain in one sentence why the sky is blue, please, for a child of five years old.",
-             "Count from one to five."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Explain in one sentence why the sky is blue, please, for a child of five years old.",
+    "Count from one to five.",
+]
 MAX_TOKENS = 16
 
 
@@ -31,11 +34,15 @@ def reference(hf_smollm2_model, prompts):
     return [hf_greedy(hf_smollm2_model, p, MAX_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    # Chunked prompts and a pool of 8 usable blocks of 16: four sequences of ~60 tokens must preempt.
-    dict(max_num_batched_tokens=32, block_size=16, num_gpu_blocks_override=9),
-], ids=["default", "chunked_preempting"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        # Chunked prompts and a pool of 8 usable blocks of 16: four sequences of ~60 tokens must preempt.
+        dict(max_num_batched_tokens=32, block_size=16, num_gpu_blocks_override=9),
+    ],
+    ids=["default", "chunked_preempting"],
+)
 def test_greedy_matches_transformers(engine_args, prompts, reference):
     llm = LLM(**engine_args)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -47,6 +54,7 @@ def test_greedy_matches_transformers(engine_args, prompts, reference):
 
 def _matrix_dtypes(llm) -> list[str]:
     import jax.tree_util as tu
+
     return sorted({str(a.dtype) for a in tu.tree_leaves(llm.engine.runner.model.params) if a.ndim >= 2})
 
 
@@ -63,12 +71,21 @@ def test_quantized_weights_give_bit_identical_results(prompts, dtype):
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     results, kinds = [], []
     for quantization in ("gguf", "none"):
-        llm = LLM(quantization=quantization, dtype=dtype, matmul_backend="cpu", precompile=False, max_num_seqs=4)
+        llm = LLM(
+            quantization=quantization, dtype=dtype, matmul_backend="cpu", precompile=False, max_num_seqs=4
+        )
         kinds.append(_matrix_dtypes(llm))
-        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)])
+        results.append(
+            [
+                (o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate(prompts, sp, use_tqdm=False)
+            ]
+        )
         # The layers' kernels are stacked ([30, P, bytes] each kind), the LM head is one [P, bytes].
         quantized = [a for a in tu.tree_leaves(llm.engine.runner.model.params) if a.dtype == jnp.uint8]
-        assert sum(a.shape[0] if a.ndim == 3 else 1 for a in quantized) == (30 * 4 + 1 if quantization == "gguf" else 0)
+        assert sum(a.shape[0] if a.ndim == 3 else 1 for a in quantized) == (
+            30 * 4 + 1 if quantization == "gguf" else 0
+        )
     assert kinds == [[dtype, "uint8"], [dtype]]
     assert results[0] == results[1]
 
@@ -88,15 +105,32 @@ def test_auto_runs_the_weights_where_they_are_fastest():
 
 
 def test_cli_generate_prints_completion():
-    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--chat", "--max-tokens", "12",
-                           "What is the capital of France?"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpaged.cli",
+            "generate",
+            "--chat",
+            "--max-tokens",
+            "12",
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "finish:" in proc.stdout
 
 
 def test_cli_reports_bad_model_cleanly(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--model", str(tmp_path / "nope"),
-                           "hi"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpaged.cli", "generate", "--model", str(tmp_path / "nope"), "hi"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2
     assert "jaxpaged: error:" in proc.stderr and "Traceback" not in proc.stderr

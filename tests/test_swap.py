@@ -13,9 +13,9 @@ from tiny_models import random_prompts
 PROMPTS = random_prompts(np.random.default_rng(0), [1, 5, 17, 40, 9, 23])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 SAMPLED = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
-BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4        # layers x (K, V) x block_size 4 x kv heads x head_dim x float32
-BLOCK_GIB = BLOCK_BYTES / 2**30             # swap_space is in GiB, as vLLM's
-TIGHT = dict(block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=64)   # 13 blocks: 52 tokens
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x (K, V) x block_size 4 x kv heads x head_dim x float32
+BLOCK_GIB = BLOCK_BYTES / 2**30  # swap_space is in GiB, as vLLM's
+TIGHT = dict(block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=64)  # 13 blocks: 52 tokens
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,12 @@ def unpressured(tiny):
     llm = LLM(str(tiny[0]), block_size=4, max_num_batched_tokens=64)
     greedy = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     sampled = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[2:5], SAMPLED, use_tqdm=False)]
-    beams = [[s.tokens for s in o.sequences]
-             for o in llm.beam_search([PROMPTS[2], PROMPTS[5]], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))]
+    beams = [
+        [s.tokens for s in o.sequences]
+        for o in llm.beam_search(
+            [PROMPTS[2], PROMPTS[5]], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+        )
+    ]
     return greedy, sampled, beams
 
 
@@ -57,10 +61,11 @@ def test_swap_outputs_equal_outputs_without_pressure(tiny, unpressured):
         swaps_out.extend(out.blocks_to_swap_out)
         swaps_in.extend(out.blocks_to_swap_in)
         return out
+
     eng.scheduler.schedule = spy
     reqs, outs = run(llm, PROMPTS, GREEDY)
     assert sum(r.num_preemptions for r in reqs) > 0 and eng.scheduler.num_swapped_out > 0
-    assert len(swaps_out) == len(swaps_in) > 0               # every swapped block came back
+    assert len(swaps_out) == len(swaps_in) > 0  # every swapped block came back
     assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in greedy]
     for o, ref in zip(outs, greedy):
         ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
@@ -81,7 +86,7 @@ def test_full_host_pool_falls_back_to_recompute(tiny, unpressured):
     eng = llm.engine
     reqs, outs = run(llm, PROMPTS, GREEDY)
     preemptions = sum(r.num_preemptions for r in reqs)
-    assert 0 < eng.scheduler.num_swapped_out < preemptions   # some swapped, the rest recomputed
+    assert 0 < eng.scheduler.num_swapped_out < preemptions  # some swapped, the rest recomputed
     assert [o.outputs[0].token_ids for o in outs] == [c.token_ids for c in greedy]
     assert_pools_empty(eng)
 
@@ -90,9 +95,17 @@ def test_beam_search_under_swap_pressure(tiny, unpressured):
     """Beams wait for each other every step; idle beams get swapped out and forked from while
     swapped (the fork then recomputes). The beams are those found without pressure."""
     beams = unpressured[2]
-    llm = LLM(str(tiny[0]), preemption_mode="swap", swap_space=64 * BLOCK_GIB, block_size=4,
-              num_gpu_blocks_override=12, max_num_batched_tokens=64)
-    outs = llm.beam_search([PROMPTS[2], PROMPTS[5]], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
+    llm = LLM(
+        str(tiny[0]),
+        preemption_mode="swap",
+        swap_space=64 * BLOCK_GIB,
+        block_size=4,
+        num_gpu_blocks_override=12,
+        max_num_batched_tokens=64,
+    )
+    outs = llm.beam_search(
+        [PROMPTS[2], PROMPTS[5]], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    )
     assert llm.engine.scheduler.num_swapped_out > 0
     assert [[s.tokens for s in o.sequences] for o in outs] == beams
     assert_pools_empty(llm.engine)

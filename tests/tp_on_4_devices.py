@@ -32,8 +32,10 @@ ENGINE = dict(block_size=4, max_num_batched_tokens=64, num_gpu_blocks_override=6
 
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),
-    "gqa_untied": {},                                      # 4 q / 2 kv heads
-    "mqa_bias_tied": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "gqa_untied": {},  # 4 q / 2 kv heads
+    "mqa_bias_tied": dict(
+        num_key_value_heads=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
     "h6_kv3": dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3),
 }
 # Split kv heads (mha-2, gqa-2, h6_kv3-3) and repeated ones (gqa-4: 2x, mqa-4: 4x, h6_kv3-2: 2x).
@@ -56,9 +58,12 @@ def run(tiny_model_factory, prompts):
             llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
             tokens = [o.outputs[0].token_ids for o in outs]
-            logprobs = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+            logprobs = [
+                [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+            ]
             cache[variant, tp] = llm, tokens, np.asarray(logprobs)
         return cache[variant, tp]
+
     return get
 
 
@@ -109,7 +114,7 @@ def test_params_are_split_as_the_rules_say(run):
     llm = run("gqa_untied", 2)[0]
     p = llm.engine.runner.model.params
     L, H, V, I = 2, 64, 384, 128
-    expect = {   # param -> (global shape, per-device shape)
+    expect = {  # param -> (global shape, per-device shape)
         ("embed_tokens", "embedding"): ((V, H), (V // 2, H)),
         ("lm_head", "kernel"): ((H, V), (H, V // 2)),
         **{(f"layers_{i}", "qkv_proj", "kernel"): ((H, 64 + 2 * 32), (H, 64)) for i in range(L)},
@@ -142,14 +147,32 @@ def test_step_communicates_only_reductions_and_the_logits_gather(run):
     T, R, W = 16, 8, 4
     qsl = np.array([0, 10] + [16] * 7, np.int32)
     tile_row, tile_start, tile_len = build_prefill_tiles(qsl, 16, 4)
-    md = AttentionMetadata(np.arange(T, dtype=np.int32), np.zeros((R, W), np.int32),
-                           np.array([10, 6] + [0] * 6, np.int32), qsl, tile_row, tile_start, tile_len, 16)
-    fn, args = step_call(runner.model.module, runner.model.params, runner.kv_pages, np.zeros(T, np.int32),
-                         np.zeros(T, np.int32), md, np.zeros(R, np.int32), np.full(T, -1, np.int32),
-                         np.zeros(runner.max_rows, np.int32), np.int32(R))
+    md = AttentionMetadata(
+        np.arange(T, dtype=np.int32),
+        np.zeros((R, W), np.int32),
+        np.array([10, 6] + [0] * 6, np.int32),
+        qsl,
+        tile_row,
+        tile_start,
+        tile_len,
+        16,
+    )
+    fn, args = step_call(
+        runner.model.module,
+        runner.model.params,
+        runner.kv_pages,
+        np.zeros(T, np.int32),
+        np.zeros(T, np.int32),
+        md,
+        np.zeros(R, np.int32),
+        np.full(T, -1, np.int32),
+        np.zeros(runner.max_rows, np.int32),
+        np.int32(R),
+    )
     hlo = fn.lower(*args).compile().as_text()
-    ops = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
-                     hlo)
+    ops = re.findall(
+        r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo
+    )
     num_layers = runner.model.module.cfg.num_layers
     assert Counter(op for _, op in ops) == {"all-reduce": 2 * num_layers + 1, "all-gather": 1}, ops
     (gathered,) = [shape for shape, op in ops if op == "all-gather"]
@@ -176,9 +199,17 @@ def test_smollm2_tp3_matches_single_device(smollm2_tokenizer):
     for tp in (1, 3):
         llm = LLM(tensor_parallel_size=tp, num_gpu_blocks_override=32)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        results.append(([o.outputs[0].token_ids for o in outs],
-                        np.asarray([[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                                    for o in outs])))
+        results.append(
+            (
+                [o.outputs[0].token_ids for o in outs],
+                np.asarray(
+                    [
+                        [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                        for o in outs
+                    ]
+                ),
+            )
+        )
         if tp == 3:
             kv = llm.engine.runner.kv_pages
             assert {s.data.shape[4] for s in kv.addressable_shards} == {1}

@@ -30,6 +30,8 @@ def run_on_virtual_devices(module: str, num_devices: int, config: pytest.Config,
     if proc.returncode == 5:
         pytest.skip(f"{module}: no test selected")
     if proc.returncode != 0:
-        pytest.fail(f"{module} on {num_devices} virtual devices failed (exit {proc.returncode}):\n{output[-6000:]}")
+        pytest.fail(
+            f"{module} on {num_devices} virtual devices failed (exit {proc.returncode}):\n{output[-6000:]}"
+        )
     print(output[-2000:])
     return output

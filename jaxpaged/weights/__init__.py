@@ -8,15 +8,32 @@ from typing import Any
 from jaxpaged.weights.gguf_loader import load_gguf
 from jaxpaged.weights.hf import load_hf
 from jaxpaged.weights.orbax_checkpoint import abstract_params, load_orbax, save_orbax
-from jaxpaged.weights.resolve import (DEFAULT_MODEL_ALIAS, MODEL_CARD, AffineBlocks, Checkpoint, is_orbax_checkpoint,
-                                      resolve_model_path)
+from jaxpaged.weights.resolve import (
+    DEFAULT_MODEL_ALIAS,
+    MODEL_CARD,
+    AffineBlocks,
+    Checkpoint,
+    is_orbax_checkpoint,
+    resolve_model_path,
+)
 
-__all__ = ["DEFAULT_MODEL_ALIAS", "MODEL_CARD", "AffineBlocks", "Checkpoint", "abstract_params", "is_orbax_checkpoint",
-           "load_checkpoint", "load_orbax", "resolve_model_path", "save_orbax"]
+__all__ = [
+    "DEFAULT_MODEL_ALIAS",
+    "MODEL_CARD",
+    "AffineBlocks",
+    "Checkpoint",
+    "abstract_params",
+    "is_orbax_checkpoint",
+    "load_checkpoint",
+    "load_orbax",
+    "resolve_model_path",
+    "save_orbax",
+]
 
 
-def load_checkpoint(model: str, dtype: Any = None, revision: str | None = None,
-                    download_dir: str | None = None) -> Checkpoint:
+def load_checkpoint(
+    model: str, dtype: Any = None, revision: str | None = None, download_dir: str | None = None
+) -> Checkpoint:
     """Resolve `model` (alias, HF directory, orbax checkpoint directory, .gguf file or Hub repo id, at
     ``revision``, downloaded under ``download_dir``: see ``resolve_model_path``) and load it.
 

@@ -24,7 +24,17 @@ from jaxpaged.math_utils import cdiv
 
 _MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
 }
 _STRING, _ARRAY = 8, 9
 
@@ -63,14 +73,18 @@ class GGUFFile:
         for _ in range(num_tensors):
             name = self._string()
             dims = [self._scalar("Q") for _ in range(self._scalar("I"))]
-            infos.append((name, tuple(reversed(dims)), gguf.GGMLQuantizationType(self._scalar("I")), self._scalar("Q")))
+            infos.append(
+                (name, tuple(reversed(dims)), gguf.GGMLQuantizationType(self._scalar("I")), self._scalar("Q"))
+            )
         alignment = int(self.fields.get("general.alignment", 32))
         start = cdiv(self._pos, alignment) * alignment
-        self.tensors = [GGUFTensor(name, shape, qtype, self._tensor_data(start + offset, shape, qtype))
-                        for name, shape, qtype, offset in infos]
+        self.tensors = [
+            GGUFTensor(name, shape, qtype, self._tensor_data(start + offset, shape, qtype))
+            for name, shape, qtype, offset in infos
+        ]
 
     def _read(self, n: int) -> bytes:
-        data = self._map[self._pos:self._pos + n]
+        data = self._map[self._pos : self._pos + n]
         if len(data) != n:
             raise ValueError(f"{self.path}: the GGUF file is truncated.")
         self._pos += n
@@ -96,12 +110,14 @@ class GGUFFile:
         if etype == _STRING:
             if keep_strings:
                 return [self._string() for _ in range(count)]
-            for _ in range(count):              # skipped: only the lengths are read
+            for _ in range(count):  # skipped: only the lengths are read
                 self._pos += 8 + struct.unpack_from("<Q", self._map, self._pos)[0]
             return None
         return [self._value(etype, keep_strings) for _ in range(count)]
 
-    def _tensor_data(self, offset: int, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    def _tensor_data(
+        self, offset: int, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType
+    ) -> np.ndarray:
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         plain = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
         rows = int(np.prod(shape[:-1], dtype=np.int64))

@@ -26,7 +26,17 @@ from jaxpaged.weights.resolve import AffineBlocks, Checkpoint
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
 )
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -78,9 +88,12 @@ def affine_blocks(tensor: GGUFTensor) -> AffineBlocks | None:
         offset = scale * np.float32(-128)
     else:
         packed = blocks[..., 4:] if tensor.tensor_type == Q.Q4_1 else blocks[..., 2:]
-        codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1)      # low nibbles are the first 16
-        offset = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-                  if tensor.tensor_type == Q.Q4_1 else scale * np.float32(-8))
+        codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # low nibbles are the first 16
+        offset = (
+            blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            if tensor.tensor_type == Q.Q4_1
+            else scale * np.float32(-8)
+        )
     return AffineBlocks(codes.reshape(out_dim, in_dim), scale, offset)
 
 

@@ -14,11 +14,26 @@ from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json", "config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",
+)
 """What a tokenizer loads (config.json names the tokenizer class when tokenizer_config.json does not)."""
-MODEL_FILES = ("model*.safetensors", "model.safetensors.index.json", "generation_config.json", *TOKENIZER_FILES)
+MODEL_FILES = (
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
+)
 """What the engine loads: ``model.safetensors`` or the shards of its index (not a repo's other copies of the
 weights, such as ``consolidated.safetensors`` or ``original/``), the configs and the tokenizer."""
 
@@ -32,8 +47,13 @@ def is_repo_id(name: str) -> bool:
     return True
 
 
-def local_or_snapshot(name: str | pathlib.Path, revision: str | None, download_dir: str | None,
-                      files: Sequence[str], kind: str = "model") -> pathlib.Path:
+def local_or_snapshot(
+    name: str | pathlib.Path,
+    revision: str | None,
+    download_dir: str | None,
+    files: Sequence[str],
+    kind: str = "model",
+) -> pathlib.Path:
     """``name`` as a local path if it exists or cannot be a repo id (the caller reports what is missing), else
     the snapshot of that Hub repo at ``revision`` holding ``files`` (patterns), cached under ``download_dir``
     (default: huggingface_hub's cache); ``FileNotFoundError`` naming what was tried if the Hub has none."""
@@ -41,24 +61,32 @@ def local_or_snapshot(name: str | pathlib.Path, revision: str | None, download_d
     if path.exists() or not is_repo_id(str(name)):
         return path
     try:
-        folder = huggingface_hub.snapshot_download(str(name), revision=revision, cache_dir=download_dir,
-                                                   allow_patterns=list(files))
+        folder = huggingface_hub.snapshot_download(
+            str(name), revision=revision, cache_dir=download_dir, allow_patterns=list(files)
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError) as e:
         raise _not_found(kind, str(name), revision, download_dir, e) from None
     return pathlib.Path(folder)
 
 
-def _not_found(kind: str, repo_id: str, revision: str | None, download_dir: str | None,
-               error: Exception) -> FileNotFoundError:
+def _not_found(
+    kind: str, repo_id: str, revision: str | None, download_dir: str | None, error: Exception
+) -> FileNotFoundError:
     """Names the id, the revision, the local path and the Hub cache tried, whether downloads were off,
     and huggingface_hub's own reason (its first line)."""
     cache = download_dir or constants.HF_HUB_CACHE
-    mode = ("HF_HUB_OFFLINE=1: only the cache was searched" if constants.is_offline_mode()
-            else "online: the Hub was asked, then the cache")
+    mode = (
+        "HF_HUB_OFFLINE=1: only the cache was searched"
+        if constants.is_offline_mode()
+        else "online: the Hub was asked, then the cache"
+    )
     lines = str(error).strip().splitlines()
     reason = f"{type(error).__name__}: {lines[0].rstrip('.')}" if lines else type(error).__name__
-    access = (" The repo is gated or private: accept its terms on the Hub and set HF_TOKEN."
-              if isinstance(error, GatedRepoError) else "")
+    access = (
+        " The repo is gated or private: accept its terms on the Hub and set HF_TOKEN."
+        if isinstance(error, GatedRepoError)
+        else ""
+    )
     return FileNotFoundError(
         f"{kind} {repo_id!r} (revision {revision or constants.DEFAULT_REVISION!r}) was not found: no local path "
         f"{pathlib.Path(repo_id).absolute()} exists, and as a Hugging Face Hub repo id it failed with {reason} "

@@ -62,8 +62,10 @@ def read_model_card(path: str | pathlib.Path) -> dict:
     """The checkpoint's model card, checked for form (not yet against the config or the files)."""
     file = pathlib.Path(path) / MODEL_CARD
     if not file.is_file():
-        raise ValueError(f"{path} is not a complete jaxpaged orbax checkpoint: its model card {MODEL_CARD} is "
-                         "missing (an interrupted `jaxpaged convert`?). Convert the model again.")
+        raise ValueError(
+            f"{path} is not a complete jaxpaged orbax checkpoint: its model card {MODEL_CARD} is "
+            "missing (an interrupted `jaxpaged convert`?). Convert the model again."
+        )
     try:
         card = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -72,8 +74,10 @@ def read_model_card(path: str | pathlib.Path) -> dict:
     if missing:
         raise ValueError(f"{file}: the model card lacks {missing}.")
     if card["format"] != FORMAT or card["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{file}: format {card['format']!r} version {card['format_version']!r}; this jaxpaged "
-                         f"reads {FORMAT!r} version {FORMAT_VERSION}.")
+        raise ValueError(
+            f"{file}: format {card['format']!r} version {card['format_version']!r}; this jaxpaged "
+            f"reads {FORMAT!r} version {FORMAT_VERSION}."
+        )
     return card
 
 
@@ -81,12 +85,16 @@ def _card_config(card: dict, where: pathlib.Path) -> transformers.PretrainedConf
     """The HF config the card holds, with the card's architecture (checked to be supported)."""
     arch = card["architecture"]
     if arch not in supported_architectures():
-        raise ValueError(f"{where}: the model card names architecture {arch!r}, which this jaxpaged does not "
-                         f"support; supported: {supported_architectures()}.")
+        raise ValueError(
+            f"{where}: the model card names architecture {arch!r}, which this jaxpaged does not "
+            f"support; supported: {supported_architectures()}."
+        )
     try:
         config = transformers.AutoConfig.for_model(**card["hf_config"])
     except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"{where}: the model card's hf_config is not a valid transformers config ({e}).") from None
+        raise ValueError(
+            f"{where}: the model card's hf_config is not a valid transformers config ({e})."
+        ) from None
     config.architectures = [arch]
     return config
 
@@ -105,19 +113,28 @@ def _match(where: pathlib.Path, have: dict, want: dict, have_is: str, want_is: s
     """Two param lists (name -> (shape, dtype)) must agree; the first difference is the error."""
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
-        raise ValueError(f"{where}: the params {have_is} differ from those {want_is}: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}.")
+        raise ValueError(
+            f"{where}: the params {have_is} differ from those {want_is}: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}."
+        )
     for name, (shape, dtype) in want.items():
         if have[name] != (shape, dtype):
-            raise ValueError(f"{where}: param {name!r} is {have[name][1]}{list(have[name][0])} {have_is}, but "
-                             f"{dtype}{list(shape)} {want_is}.")
+            raise ValueError(
+                f"{where}: param {name!r} is {have[name][1]}{list(have[name][0])} {have_is}, but "
+                f"{dtype}{list(shape)} {want_is}."
+            )
 
 
 def _check_card_params(card: dict, config: Any, where: pathlib.Path) -> None:
     """The card's param list against what the config's model needs: same names, shapes, dtype."""
     expected = expected_params(config, jnp.dtype(card["dtype"]))
-    _match(where, _card_params(card), {k: (a.shape, card["dtype"]) for k, a in expected.items()},
-           "in the model card", f"in the {card['architecture']} model of its hf_config")
+    _match(
+        where,
+        _card_params(card),
+        {k: (a.shape, card["dtype"]) for k, a in expected.items()},
+        "in the model card",
+        f"in the {card['architecture']} model of its hf_config",
+    )
 
 
 # ---------------------------------------------------------------- reading
@@ -137,25 +154,33 @@ def _orbax_tree(params_dir: pathlib.Path) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     if not params_dir.is_dir():
-        raise ValueError(f"{params_dir.parent}: the orbax params directory {ORBAX_PARAMS_DIR}/ is missing; "
-                         "the checkpoint is incomplete. Convert the model again.")
+        raise ValueError(
+            f"{params_dir.parent}: the orbax params directory {ORBAX_PARAMS_DIR}/ is missing; "
+            "the checkpoint is incomplete. Convert the model again."
+        )
     try:
         with ocp.StandardCheckpointer() as ckptr:
             tree = getattr(ckptr.metadata(params_dir).item_metadata, "tree", None)
     except Exception as e:  # orbax raises many kinds; the message says which checkpoint failed
-        raise ValueError(f"{params_dir}: cannot read the orbax checkpoint's metadata ({_reason(e)}); "
-                         "the checkpoint is corrupt or incomplete. Convert the model again.") from e
+        raise ValueError(
+            f"{params_dir}: cannot read the orbax checkpoint's metadata ({_reason(e)}); "
+            "the checkpoint is corrupt or incomplete. Convert the model again."
+        ) from e
     if not isinstance(tree, dict):
-        raise ValueError(f"{params_dir}: the orbax checkpoint has no array metadata (its _METADATA file or an "
-                         "array's .zarray is missing or damaged); the checkpoint is corrupt or incomplete. "
-                         "Convert the model again.")
+        raise ValueError(
+            f"{params_dir}: the orbax checkpoint has no array metadata (its _METADATA file or an "
+            "array's .zarray is missing or damaged); the checkpoint is corrupt or incomplete. "
+            "Convert the model again."
+        )
     return _flat(tree)
 
 
 def _check_stored(card: dict, stored: dict[str, Any], where: pathlib.Path) -> None:
     """What orbax holds against the card: same names, shapes and dtypes."""
-    have = {k: (tuple(getattr(m, "shape", ())), str(jnp.dtype(getattr(m, "dtype", "float32"))))
-            for k, m in stored.items()}
+    have = {
+        k: (tuple(getattr(m, "shape", ())), str(jnp.dtype(getattr(m, "dtype", "float32"))))
+        for k, m in stored.items()
+    }
     _match(where, have, _card_params(card), "in the orbax files", "in the model card")
 
 
@@ -169,16 +194,18 @@ def _check_data_files(params_dir: pathlib.Path, names: list[str]) -> None:
             chunks, shape, sep = meta["chunks"], meta["shape"], meta.get("dimension_separator", ".")
             nbytes = math.prod(chunks) * jnp.dtype(meta["dtype"]).itemsize
         except (OSError, ValueError, KeyError, TypeError):
-            continue    # not a zarr array as we write them: the restore reports what is wrong
+            continue  # not a zarr array as we write them: the restore reports what is wrong
         if meta.get("compressor") is not None:
             continue
         for index in itertools.product(*(range(cdiv(n, c)) for n, c in zip(shape, chunks))):
             file = array_dir / (sep.join(map(str, index)) or "0")
             size = file.stat().st_size if file.is_file() else None
             if size != nbytes:
-                raise ValueError(f"{params_dir}: data file {file.relative_to(params_dir)} is "
-                                 f"{'missing' if size is None else f'{size} bytes, expected {nbytes}'}; the "
-                                 "checkpoint is corrupt or incomplete. Convert the model again.")
+                raise ValueError(
+                    f"{params_dir}: data file {file.relative_to(params_dir)} is "
+                    f"{'missing' if size is None else f'{size} bytes, expected {nbytes}'}; the "
+                    "checkpoint is corrupt or incomplete. Convert the model again."
+                )
 
 
 def abstract_params(path: str | pathlib.Path, shardings: Any = None, dtype: Any = None) -> Any:
@@ -188,8 +215,10 @@ def abstract_params(path: str | pathlib.Path, shardings: Any = None, dtype: Any 
     of shardings with the param tree's structure. ``dtype``: None keeps the stored dtype.
     """
     card = read_model_card(path)
-    flat = {name: jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(dtype or info["dtype"]))
-            for name, info in card["params"].items()}
+    flat = {
+        name: jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(dtype or info["dtype"]))
+        for name, info in card["params"].items()
+    }
     tree = traverse_util.unflatten_dict(flat, sep="/")
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -198,8 +227,10 @@ def abstract_params(path: str | pathlib.Path, shardings: Any = None, dtype: Any 
     try:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
     except ValueError as e:
-        raise ValueError(f"shardings must be one Sharding or a pytree matching the checkpoint's param tree "
-                         f"({', '.join(sorted(card['params']))[:300]}): {e}") from None
+        raise ValueError(
+            f"shardings must be one Sharding or a pytree matching the checkpoint's param tree "
+            f"({', '.join(sorted(card['params']))[:300]}): {e}"
+        ) from None
 
 
 def _restore(params_dir: pathlib.Path, target: Any) -> Any:
@@ -224,8 +255,10 @@ def _restore(params_dir: pathlib.Path, target: Any) -> Any:
             time.sleep(0.01)
     finally:
         sys.unraisablehook = hook
-    raise ValueError(f"{params_dir}: restoring the params failed ({reason}); the checkpoint's data files are "
-                     "corrupt or incomplete. Convert the model again.")
+    raise ValueError(
+        f"{params_dir}: restoring the params failed ({reason}); the checkpoint's data files are "
+        "corrupt or incomplete. Convert the model again."
+    )
 
 
 def _is_orbax_read(obj: Any) -> bool:
@@ -255,7 +288,9 @@ def load_orbax(path: str | pathlib.Path, shardings: Any = None, dtype: Any = Non
 
 
 def _param_card(params: Any) -> dict[str, dict]:
-    return {name: {"shape": list(a.shape), "dtype": str(jnp.dtype(a.dtype))} for name, a in _flat(params).items()}
+    return {
+        name: {"shape": list(a.shape), "dtype": str(jnp.dtype(a.dtype))} for name, a in _flat(params).items()
+    }
 
 
 def save_orbax(output: str | pathlib.Path, params: Any, hf_config: Any, source: str = "") -> pathlib.Path:
@@ -275,7 +310,9 @@ def save_orbax(output: str | pathlib.Path, params: Any, hf_config: Any, source: 
     # way, 0.8 s in one chunk per param, 4.8 s with orbax's defaults (zstd, OCDBT; 2/3 of the disk space).
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES), params)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)) as ckptr:
-        ckptr.save((output / ORBAX_PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params, save_args=save_args))
+        ckptr.save(
+            (output / ORBAX_PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params, save_args=save_args)
+        )
     card = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -69,7 +69,9 @@ def is_orbax_checkpoint(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / MODEL_CARD).is_file()
 
 
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> pathlib.Path:
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> pathlib.Path:
     """The alias, an HF model directory (with config.json), a jaxpaged orbax checkpoint directory
     (with its model card), a .gguf file or a Hugging Face Hub repo id (its snapshot at ``revision``,
     cached under ``download_dir``, as vLLM loads one) -> a path to load."""
@@ -80,9 +82,11 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         return path
     if path.is_dir():
         if (path / ORBAX_PARAMS_DIR).is_dir() and not (path / "config.json").is_file():
-            raise ValueError(f"{path} looks like a jaxpaged orbax checkpoint ({ORBAX_PARAMS_DIR}/ is there) but "
-                             f"its model card {MODEL_CARD} is missing: the checkpoint is incomplete (an "
-                             "interrupted `jaxpaged convert`?). Convert the model again.")
+            raise ValueError(
+                f"{path} looks like a jaxpaged orbax checkpoint ({ORBAX_PARAMS_DIR}/ is there) but "
+                f"its model card {MODEL_CARD} is missing: the checkpoint is incomplete (an "
+                "interrupted `jaxpaged convert`?). Convert the model again."
+            )
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{path} has no config.json: expected a Hugging Face model directory "
