@@ -509,7 +509,8 @@ def section_layer_scan(run: Run) -> dict:
     import jax.numpy as jnp
 
     from benchmarks.kernels import _time_call
-    from jaxpaged.models.decoder import DecoderForCausalLM, init_params, stack_layers
+    from jaxpaged.models.decoder import DecoderForCausalLM
+    from jaxpaged.models.params import init_params, stack_layers
     from jaxpaged.models.registry import config_from_hf
 
     _, cfg = config_from_hf(model(run, "big")[1].config)

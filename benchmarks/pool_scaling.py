@@ -20,7 +20,7 @@ from jaxpaged.model_runner import ModelRunner
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler_output import SchedulerOutput
-from jaxpaged.models.decoder import pack_for_matmul_backend
+from jaxpaged.models.params import pack_for_matmul_backend
 from jaxpaged.models.llama import LlamaArchConfig, LlamaForCausalLM, init_params
 from jaxpaged.models.registry import BuiltModel, ModelShape
 from jaxpaged.kernels import resolve_backend, resolve_matmul_backend

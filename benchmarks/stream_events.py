@@ -3,7 +3,7 @@
 A streamed request gets one event per engine output (per step, while the client keeps up): at 256
 streams, 256 events per step on the server's event loop, which shares the two cores with the
 device step. Most events carry only text; the server writes those from a per-choice template
-(``server.serving.TextDeltaEvents``), the others (role, logprobs, finish) through the pydantic
+(``server.event_stream.TextDeltaEvents``), the others (role, logprobs, finish) through the pydantic
 chunk models (``sse(chunk)``). This times both ways on the same chunks, chat and completion,
 alternating rounds in one process, over texts that real tokens give (SmolLM2's tokens decoded
 one at a time: words, spaces, punctuation, non-ASCII). Median microseconds per event.
@@ -20,14 +20,14 @@ import time
 import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, write_json
-from jaxpaged.server.protocol import (
+from jaxpaged.server.event_stream import TextDeltaEvents, sse
+from jaxpaged.server.response_models import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
 )
-from jaxpaged.server.serving import TextDeltaEvents, sse
 
 _ID = "chatcmpl-" + "0123456789abcdef" * 2
 _MODEL = "smollm2-135m-instruct"

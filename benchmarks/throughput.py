@@ -86,7 +86,7 @@ def jaxpaged_round(llm, reqs: list[WorkloadRequest], salt: str) -> float:
 def distinct_engines(dtypes: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
     """(dtype, quantization) of one run per distinct engine: per dtype, the matmul backend ``auto``
     takes and whether it runs quantized blocks (the first quantization naming each)."""
-    from jaxpaged.models.decoder import runs_quantized
+    from jaxpaged.models.params import runs_quantized
     from jaxpaged.kernels import resolve_matmul_backend
 
     kept: dict[tuple, tuple[str, str]] = {}

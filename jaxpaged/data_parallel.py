@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from jaxpaged import parallel
 from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.block_hash import hash_block, root_hash
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine_base import EngineBase, request_id_in_use
-from jaxpaged.kv_cache_manager import PrefixCacheStats, SharingStats, hash_block, root_hash
+from jaxpaged.kv_cache_manager import PrefixCacheStats, SharingStats
 from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.step_stats import StepStats

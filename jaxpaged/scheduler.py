@@ -36,10 +36,8 @@ finishes (round-robin alone leaves it waiting for a slot). With the ``priority``
 comes first (lower sooner; such preemption only takes requests of a priority no higher), and
 ``running`` is kept in priority order, so the lowest-priority request is the one preempted for KV blocks.
 
-Multi-step scheduling (``num_scheduler_steps`` = k > 1, vLLM's): when every running request is a
-plain decode that may run several steps (``Request.multi_step``) and no waiting request could be
-admitted, one schedule hands out a group of up to k decode steps per request, run as one program;
-its KV blocks are allocated up front, so the group needs no scheduling between its steps.
+Multi-step scheduling (``num_scheduler_steps`` > 1): ``schedule`` first tries a group of several decode
+steps per running request (``jaxpaged/multi_step_plan.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +47,9 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from jaxpaged.config import SchedulerConfig
+from jaxpaged.engine_base import request_id_in_use
 from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.multi_step_plan import plan_steps
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.scheduler_output import SchedulerOutput
 
@@ -103,12 +103,7 @@ class Scheduler:
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue the prompts of one API request, taking turns with other requests' (see the module's
         docstring); or none of them, raising ``ValueError`` (leaving no trace), if one can never run."""
-        ids = [i for r in requests for i in (r.request_id, *(c.request_id for c in r.pending_forks))]
-        if len(set(ids)) != len(ids):
-            raise ValueError(
-                f"request ids {sorted({i for i in ids if ids.count(i) > 1})[:5]} are given twice; "
-                f"give each request a unique id."
-            )
+        self._check_unused_ids(requests)
         for request in requests:
             self._check_admissible(request)
         group = 0  # one sequence: a group of its own
@@ -147,8 +142,7 @@ class Scheduler:
         """Track ``child``, a copy of ``parent``'s sequence plus tokens of its own (the engine's
         beams). If the parent runs and a running slot is free the child shares its blocks and
         runs; otherwise it waits to compute its sequence from scratch, ahead of new arrivals."""
-        if child.request_id in self._requests:
-            raise ValueError(f"request id {child.request_id!r} is already in use.")
+        self._check_unused_ids([child])
         child.queue_group = parent.queue_group
         self._track(child)
         room = len(self.running) + self._num_reserved() < self.config.max_num_seqs
@@ -178,29 +172,32 @@ class Scheduler:
     def _num_reserved(self) -> int:
         return sum(r.reserved_seqs for r in self.running)
 
+    def _check_unused_ids(self, requests: Sequence[Request]) -> None:
+        """The scheduler's request-id rule, for every caller (``add_requests``, ``fork_request``): the ids of
+        ``requests`` and of their pending forks are all different, and none is a tracked request's."""
+        ids = [i for r in requests for i in (r.request_id, *(c.request_id for c in r.pending_forks))]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                f"request ids {sorted({i for i in ids if ids.count(i) > 1})[:5]} are given twice; "
+                f"give each request a unique id."
+            )
+        for r in requests:
+            if r.request_id in self._requests or any(c.request_id in self._requests for c in r.pending_forks):
+                raise request_id_in_use(r.request_id)
+
     def _check_admissible(self, request: Request) -> None:
+        """What only the scheduler knows: the request's sequences fit ``max_num_seqs`` (a beam search's
+        width is checked nowhere else) and its longest sequence fits the KV pool. The prompt's own checks
+        (not empty, within ``max_model_len`` with ``max_tokens``) are the engine's ``InputProcessor``'s;
+        with chunked prefill off the engine's budget holds ``max_model_len`` (``plan_kv_cache``)."""
         rid = request.request_id
-        ids = [rid, *(c.request_id for c in request.pending_forks)]
-        if len(set(ids)) != len(ids) or any(i in self._requests for i in ids):
-            raise ValueError(f"request id {rid!r} is already in use; give each request a unique id.")
         if 1 + request.reserved_seqs > self.config.max_num_seqs:
             raise ValueError(
                 f"request {rid!r} runs {1 + request.reserved_seqs} sequences at once (n, best_of "
                 f"or beam width) but max_num_seqs is {self.config.max_num_seqs}; raise "
                 f"max_num_seqs or ask for fewer sequences."
             )
-        n_prompt = request.num_prompt_tokens
-        if n_prompt == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token.")
-        if request.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens must be at least 1, got {request.max_tokens}.")
-        total = n_prompt + request.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt ({n_prompt} tokens) + max_tokens ({request.max_tokens}) = "
-                f"{total} exceeds max_model_len ({self.max_model_len}); shorten the prompt or "
-                f"lower max_tokens."
-            )
+        total = request.num_prompt_tokens + request.max_tokens
         kv = self.kv_cache_manager
         needed = kv.blocks_needed(total)
         if needed > kv.pool.num_usable_blocks:
@@ -209,13 +206,6 @@ class Scheduler:
                 f"{kv.block_size} tokens but the pool has only {kv.pool.num_usable_blocks}; shorten "
                 f"the prompt, lower max_tokens, or give the KV cache more blocks (kv_cache_memory "
                 f"or num_gpu_blocks_override)."
-            )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and n_prompt > budget:
-            raise ValueError(
-                f"request {rid!r}: prompt ({n_prompt} tokens) is longer than max_num_batched_tokens "
-                f"({budget}) and chunked prefill is off; enable chunked prefill or raise "
-                f"max_num_batched_tokens."
             )
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -253,7 +243,7 @@ class Scheduler:
             and not victims
             and (not self.waiting or len(self.running) + self._num_reserved() >= self.config.max_num_seqs)
         ):
-            out = self._schedule_steps(k)
+            out = plan_steps(self.running, self.kv_cache_manager, k, self.config.max_num_batched_tokens)
             if out is not None:
                 return self._close(out)
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
@@ -402,66 +392,6 @@ class Scheduler:
         out.block_table_updates = kv.take_changed_tables()
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
-
-    def _schedule_steps(self, k: int) -> SchedulerOutput | None:
-        """A multi-step decode batch (vLLM's multi-step scheduling): each running request decodes
-        ``min(k, outputs left)`` tokens in one program, its blocks for all of them allocated now.
-        None, changing nothing, unless every running request is a plain decode that may run several
-        steps (``Request.multi_step``: no forks to make, no per-step sampling lists, not a beam) and
-        the pool holds every block they need. A request whose last output is in flight sits out."""
-        kv = self.kv_cache_manager
-        if len(self.running) > self.config.max_num_batched_tokens:
-            return None
-        block_size, shared_tails = kv.block_size, kv.shared_tails
-        rows, steps, need = [], [], 0
-        for request in self.running:
-            computed = request.num_computed_tokens
-            outputs = len(request.output_token_ids) + request.num_output_placeholders
-            left = request.max_tokens - outputs
-            if left <= 0:
-                continue
-            if (
-                not request.multi_step
-                or request.pending_forks
-                or request.num_prompt_tokens + outputs - computed != 1
-            ):
-                return None
-            n = k if k < left else left
-            # As in schedule(): only a fork shares the block a request writes next.
-            if shared_tails and request.request_id in shared_tails:
-                need += kv.blocks_to_allocate(request, n)
-            else:
-                # cdiv inline: no call per row in the step's loop
-                need += max(0, -(-(computed + n) // block_size) - len(request.block_ids))
-            rows.append(request)
-            steps.append(n)
-        if not rows or need > kv.num_free_blocks:
-            return None
-        if min(steps) < k:
-            # Rows with the most steps first: each step then computes a prefix of the rows.
-            order = sorted(range(len(rows)), key=steps.__getitem__, reverse=True)
-            rows, steps = [rows[i] for i in order], [steps[i] for i in order]
-        starts, host_tokens, opening = [], [], []
-        for request, n in zip(rows, steps):
-            computed, in_flight = request.num_computed_tokens, request.num_output_placeholders
-            if shared_tails and request.request_id in shared_tails:
-                kv.allocate_slots(request, n)  # cannot fail: ``need`` blocks are free
-            elif computed + n > len(request.block_ids) * block_size:
-                opening.append(request)
-            starts.append(computed)
-            host_tokens.append(0 if in_flight else 1)
-            request.num_computed_tokens = computed + n
-            request.num_output_placeholders = in_flight + n
-        kv.grow_tables(opening)
-        return SchedulerOutput(
-            requests=rows,
-            num_new_tokens=steps,
-            start_positions=starts,
-            preempted=[],
-            samples=[True] * len(rows),
-            num_host_tokens=host_tokens,
-            num_steps=k,
-        )
 
     def _victims_for_newcomer(self) -> list[Request]:
         """The running requests to preempt so that the next waiting request starts, when it is new,

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxpaged.models.decoder import DecoderConfig, convert_hf, hf_layout, hf_prefix
+from jaxpaged.models.decoder import DecoderConfig
+from jaxpaged.models.hf_conversion import convert_hf, hf_layout, hf_prefix
 
 _UNSUPPORTED = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
 

@@ -8,14 +8,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxpaged.models.decoder import (
-    SUPPORTED_ROPE_TYPES,
-    DecoderConfig,
-    DecoderForCausalLM,
-    convert_hf,
-    hf_layout,
-    init_params,
-)
+from jaxpaged.models.decoder import SUPPORTED_ROPE_TYPES, DecoderConfig, DecoderForCausalLM
+from jaxpaged.models.hf_conversion import convert_hf, hf_layout
+from jaxpaged.models.params import init_params
 
 LlamaForCausalLM = DecoderForCausalLM
 __all__ = [

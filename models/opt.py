@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxpaged.models.decoder import DecoderConfig, convert_hf, hf_layout, hf_prefix
+from jaxpaged.models.decoder import DecoderConfig
+from jaxpaged.models.hf_conversion import convert_hf, hf_layout, hf_prefix
 
 POSITION_OFFSET = 2  # HF's OPTLearnedPositionalEmbedding looks up position + 2
 

@@ -12,15 +12,9 @@ import flax.linen as nn
 import numpy as np
 
 from jaxpaged.models import gpt2, llama, opt
-from jaxpaged.models.decoder import (
-    PARALLEL_STYLE,
-    DecoderConfig,
-    DecoderForCausalLM,
-    column_sections,
-    pack_for_matmul_backend,
-    parallel_style,
-    runs_quantized,
-)
+from jaxpaged.models.decoder import DecoderConfig, DecoderForCausalLM
+from jaxpaged.models.params import pack_for_matmul_backend, runs_quantized
+from jaxpaged.models.partitioning import PARALLEL_STYLE, column_sections, parallel_style
 
 __all__ = [
     "PARALLEL_STYLE",
@@ -55,7 +49,7 @@ class BuiltModel:
 class Family(NamedTuple):
     config_from_hf: Callable[[Any], DecoderConfig]
     params_from_hf: Callable[..., dict]
-    """``(cfg, tensors, dtype, quantized=None) -> params`` (``models.decoder.convert_hf``)."""
+    """``(cfg, tensors, dtype, quantized=None) -> params`` (``models.hf_conversion.convert_hf``)."""
 
 
 _ARCHITECTURES = {

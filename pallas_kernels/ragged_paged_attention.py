@@ -5,6 +5,7 @@ All variants read the layout described in ``metadata.py`` (one page pool
 ``block_tables``, ``seq_lens`` and ``query_start_loc``. They share the math: a flash-style
 online softmax in float32 over chunks of ``pages_per_step`` pages, with the G = Hq / Hkv
 query heads of one KV head folded into the rows of one matmul (GQA without repeating K/V).
+The shared math is in ``online_softmax.py``, the GPU kernel in ``ragged_paged_attention_gpu.py``.
 
 Variants (``variant=``):
 
@@ -43,10 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from jaxpaged.kernels.metadata import AttentionMetadata
-from jaxpaged.kernels.precision import matmul_precision
+from jaxpaged.kernels.online_softmax import attend_chunk, kv_range, token_mask
+from jaxpaged.kernels.ragged_paged_attention_gpu import gpu_call
 
 Variant = Literal["tpu", "gpu", "interpret"]
 
@@ -111,9 +112,7 @@ def ragged_paged_attention(
         qt = q_tile or cfg.q_tile
         pps = pages_per_step or max(1, cfg.kv_tokens // bs)
         if v == "gpu":
-            return _gpu_call(
-                q, kv_pages, layer, md, q_tile=qt, pages_per_step=pps, interpret=interp, **common
-            )
+            return gpu_call(q, kv_pages, layer, md, q_tile=qt, pages_per_step=pps, interpret=interp, **common)
         hb = kv_heads_per_program or cfg.kv_heads or Hkv
         return _blocked_call(
             q,
@@ -134,76 +133,6 @@ def ragged_paged_attention(
         return run("interpret", interpret)
     gpu = lambda: run("gpu", False)  # noqa: E731
     return lax.platform_dependent(tpu=lambda: run("tpu", False), cuda=gpu, rocm=gpu)
-
-
-# ----------------------------------------------------------------------------- shared math
-
-
-def _attend_chunk(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    m: jax.Array,
-    denom: jax.Array,
-    acc: jax.Array,
-    mask: jax.Array,
-    v_valid: jax.Array,
-    *,
-    scale: float,
-    soft_cap: float | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One online-softmax step of ``q[M, D]`` over ``k, v[K, D]``; ``m, denom[M, 1]``, ``acc[M, D]`` float32.
-
-    Masked scores are -inf; a row that has seen no unmasked key keeps ``m = -inf, denom = 0,
-    acc = 0`` (exactly, so other rows' chunks leave it untouched). ``v_valid`` zeroes V rows
-    that were not fetched for this chunk.
-    """
-    dtype = jnp.promote_types(q.dtype, k.dtype)
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    precision = matmul_precision(dtype)  # float32: IEEE dots in Triton (its default is TF32)
-    s = (
-        lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        * scale
-    )
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m - m_safe)
-    denom_new = alpha * denom + jnp.sum(p, axis=1, keepdims=True)
-    v = jnp.where(v_valid, v, jnp.zeros_like(v))
-    pv = lax.dot_general(
-        p.astype(v.dtype),
-        v,
-        (((1,), (0,)), ((), ())),
-        precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-    return m_new, denom_new, alpha * acc + pv
-
-
-def _token_mask(
-    t: jax.Array, q_pos: jax.Array, k_pos: jax.Array, tok_lo, tok_hi, sliding_window: int | None
-) -> jax.Array:
-    """Token ``t`` (at ``q_pos``) sees ``k_pos`` if it belongs to the row being processed and causality/window allow."""
-    mask = (t >= tok_lo) & (t < tok_hi) & (k_pos <= q_pos)
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
-
-
-def _kv_range(ctx, q_end, tok_lo, tok_hi, sliding_window: int | None):
-    """KV positions ``[kv_lo, kv_hi)`` that tokens ``[tok_lo, tok_hi)`` of a row can attend to."""
-    kv_hi = jnp.maximum(ctx - (q_end - tok_hi), 0)
-    if sliding_window is None:
-        kv_lo = jnp.zeros_like(kv_hi)
-    else:
-        kv_lo = jnp.maximum(ctx - (q_end - tok_lo) - sliding_window + 1, 0)
-    return kv_lo, kv_hi
 
 
 # ------------------------------------------------------------- TPU / interpret: token blocks
@@ -341,7 +270,7 @@ def _blocked_kernel(
         q_end, ctx = qsl_ref[r + 1], lens_ref[r]
         tok_lo = jnp.maximum(qsl_ref[r], blk_lo)
         tok_hi = jnp.minimum(q_end, blk_lo + q_tile)
-        kv_lo, kv_hi = _kv_range(ctx, q_end, tok_lo, tok_hi, sliding_window)
+        kv_lo, kv_hi = kv_range(ctx, q_end, tok_lo, tok_hi, sliding_window)
         pg_lo = lax.div(kv_lo, bs)
         pg_hi = lax.div(kv_hi + bs - 1, bs)
         n = jnp.where((tok_lo < tok_hi) & (kv_hi > 0), lax.div(pg_hi - pg_lo + P - 1, P), 0)
@@ -406,12 +335,12 @@ def _blocked_kernel(
         kv_start = (p["pg_lo"] + c * P) * bs
         t = blk_lo + lax.div(lax.broadcasted_iota(jnp.int32, (M, K), 0), G)
         k_pos = kv_start + lax.broadcasted_iota(jnp.int32, (M, K), 1)
-        mask = _token_mask(t, p["ctx"] - (p["q_end"] - t), k_pos, p["tok_lo"], p["tok_hi"], sliding_window)
+        mask = token_mask(t, p["ctx"] - (p["q_end"] - t), k_pos, p["tok_lo"], p["tok_hi"], sliding_window)
         v_valid = kv_start + lax.broadcasted_iota(jnp.int32, (K, D), 0) < p["kv_hi"]
         for j in range(kv_heads):
             k, v = get(j, 0), get(j, 1)
             qj = _fold_heads(q_ref[:, j])
-            m, denom, acc = _attend_chunk(
+            m, denom, acc = attend_chunk(
                 qj,
                 k,
                 v,
@@ -457,137 +386,3 @@ def _fold_heads(x: jax.Array) -> jax.Array:
     if x.dtype.itemsize < 4 and G % (4 // x.dtype.itemsize):
         return x.astype(jnp.float32).reshape(q_tile * G, D).astype(x.dtype)
     return x.reshape(q_tile * G, D)
-
-
-# ------------------------------------------------------------------------ GPU: row tiles
-
-
-def _gpu_call(
-    q,
-    kv_pages,
-    layer,
-    md: AttentionMetadata,
-    *,
-    q_tile: int,
-    pages_per_step: int,
-    interpret: bool,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> jax.Array:
-    """Grid over (row tiles, KV heads); see the module docstring."""
-    T, Hq, D = q.shape
-    _, _, _, bs, Hkv, _ = kv_pages.shape
-    G = Hq // Hkv
-    Gp = pl.next_power_of_2(G)
-    P = pages_per_step
-    for name, n in (("q_tile", q_tile), ("pages_per_step", P), ("head_dim", D), ("block_size", bs)):
-        if n & (n - 1):
-            raise ValueError(f"the Triton kernel needs a power-of-two {name}, got {n}")
-    if q_tile * Gp < 16 or P * bs < 16:
-        raise ValueError("Triton dots need q_tile * next_pow2(G) >= 16 and pages_per_step * block_size >= 16")
-    tiles = _row_tiles(md, T, q_tile, sliding_window, bs)
-    kernel = functools.partial(
-        _gpu_kernel,
-        q_tile=q_tile,
-        block_size=bs,
-        pages_per_step=P,
-        group=G,
-        group_pad=Gp,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    return pl.pallas_call(
-        kernel,
-        grid=(tiles.shape[0], Hkv),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="ragged_paged_attention_gpu",
-    )(layer, tiles, md.block_tables.astype(jnp.int32), q, kv_pages)
-
-
-def _row_tiles(
-    md: AttentionMetadata, T: int, q_tile: int, sliding_window: int | None, block_size: int
-) -> jax.Array:
-    """Work list ``[num_tiles, 8]``: each row's query span cut into tiles of ``q_tile`` tokens.
-
-    Columns: row, token span ``[tok_lo, tok_hi)``, the row's context length and query end, the
-    page range ``[pg_lo, pg_hi)`` the tile needs and ``kv_hi`` (its last visible position + 1).
-
-    Padding tokens form one extra row without context so that every output token is written
-    (zeros). ``num_tiles = min(T, T // q_tile + R + 1)`` bounds the tile count for any split
-    of ``T`` tokens into ``R + 1`` rows; unused tiles have an empty token span.
-    """
-    qsl = md.query_start_loc.astype(jnp.int32)
-    R = md.seq_lens.shape[0]
-    qsl_ext = jnp.concatenate([qsl, jnp.full((1,), T, jnp.int32)])
-    ctx_ext = jnp.concatenate([md.seq_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    counts = pl.cdiv(qsl_ext[1:] - qsl_ext[:-1], q_tile)
-    ends = jnp.cumsum(counts)
-    n_tiles = min(T, T // q_tile + R + 1)
-    i = jnp.arange(n_tiles, dtype=jnp.int32)
-    row = jnp.minimum(jnp.searchsorted(ends, i, side="right"), R).astype(jnp.int32)
-    tok_lo = qsl_ext[row] + (i - (ends[row] - counts[row])) * q_tile
-    q_end = qsl_ext[row + 1]
-    tok_hi = jnp.where(i < ends[-1], jnp.minimum(tok_lo + q_tile, q_end), tok_lo)
-    ctx = ctx_ext[row]
-    kv_lo, kv_hi = _kv_range(ctx, q_end, tok_lo, tok_hi, sliding_window)
-    pg_lo = kv_lo // block_size
-    pg_hi = jnp.where(tok_lo < tok_hi, (kv_hi + block_size - 1) // block_size, pg_lo)
-    return jnp.stack([jnp.minimum(row, R - 1), tok_lo, tok_hi, ctx, q_end, pg_lo, pg_hi, kv_hi], axis=1)
-
-
-def _gpu_kernel(
-    layer_ref,
-    tiles_ref,
-    bt_ref,
-    q_ref,
-    kv_ref,
-    o_ref,
-    *,
-    q_tile: int,
-    block_size: int,
-    pages_per_step: int,
-    group: int,
-    group_pad: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-):
-    i, h = pl.program_id(0), pl.program_id(1)
-    row, tok_lo, tok_hi, ctx, q_end, pg_lo, pg_hi, kv_hi = (tiles_ref[i, f] for f in range(8))
-    bs, P, G, Gp = block_size, pages_per_step, group, group_pad
-    qt, D, M, K = q_tile, o_ref.shape[2], q_tile * group_pad, pages_per_step * block_size
-
-    @pl.when(tok_lo < tok_hi)
-    def _tile():
-        t3 = tok_lo + lax.broadcasted_iota(jnp.int32, (qt, Gp, D), 0)
-        g3 = lax.broadcasted_iota(jnp.int32, (qt, Gp, D), 1)
-        io_mask = (t3 < tok_hi) & (g3 < G)
-        view = (pl.ds(tok_lo, qt), pl.ds(h * G, Gp), slice(None))
-        q = pltriton.load(q_ref.at[view], mask=io_mask, other=0).reshape(M, D)
-        t = tok_lo + lax.div(lax.broadcasted_iota(jnp.int32, (M, K), 0), Gp)
-        q_pos = ctx - (q_end - t)
-        layer = layer_ref[0]
-
-        def body(c, carry):
-            pg = pg_lo + c * P + lax.iota(jnp.int32, P)
-            pages = bt_ref[row, jnp.minimum(pg, pg_hi - 1)]
-            k = kv_ref[layer, 0, pages, :, h, :].reshape(K, D)
-            v = kv_ref[layer, 1, pages, :, h, :].reshape(K, D)
-            kv_start = (pg_lo + c * P) * bs
-            k_pos = kv_start + lax.broadcasted_iota(jnp.int32, (M, K), 1)
-            mask = _token_mask(t, q_pos, k_pos, tok_lo, tok_hi, sliding_window)
-            v_valid = kv_start + lax.broadcasted_iota(jnp.int32, (K, D), 0) < kv_hi
-            return _attend_chunk(q, k, v, *carry, mask, v_valid, scale=scale, soft_cap=soft_cap)
-
-        init = (
-            jnp.full((M, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((M, 1), jnp.float32),
-            jnp.zeros((M, D), jnp.float32),
-        )
-        _, denom, acc = lax.fori_loop(0, lax.div(pg_hi - pg_lo + P - 1, P), body, init)
-        out = (acc / jnp.where(denom == 0.0, 1.0, denom)).reshape(qt, Gp, D)
-        pltriton.store(o_ref.at[view], out.astype(o_ref.dtype), mask=io_mask)

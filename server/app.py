@@ -32,28 +32,25 @@ from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.param_errors import excerpt
 from jaxpaged.server.errors import APIError, install_error_handlers
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.protocol import (
+from jaxpaged.server.event_stream import EventStream
+from jaxpaged.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
     RequestModel,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+)
+from jaxpaged.server.response_models import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
     TokenizerInfoResponse,
     TokenizeResponse,
     VersionResponse,
 )
-from jaxpaged.server.serving import (
-    ClientDisconnected,
-    EventStream,
-    OpenAIServing,
-    RequestLog,
-    ServerLimits,
-    shutting_down_error,
-)
+from jaxpaged.server.serving import OpenAIServing
+from jaxpaged.server.serving_base import ClientDisconnected, RequestLog, ServerLimits, shutting_down_error
 from jaxpaged.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxpaged.server")

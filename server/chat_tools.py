@@ -13,8 +13,8 @@ import dataclasses
 import json
 
 from jaxpaged.server import tool_parsers
-from jaxpaged.server.protocol import (
-    ChatCompletionRequest,
+from jaxpaged.server.request_models import ChatCompletionRequest
+from jaxpaged.server.response_models import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
-from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.server.response_models import ErrorInfo, ErrorResponse
 
 MAX_MESSAGE = 1000
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxpaged.param_errors import ParamError
 from jaxpaged.server.errors import APIError
-from jaxpaged.server.protocol import ChatCompletionRequest, SamplingRequest
+from jaxpaged.server.request_models import ChatCompletionRequest, SamplingRequest
 from jaxpaged.structured_outputs_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -19,13 +19,14 @@ from starlette.testclient import TestClient
 
 from jaxpaged import LLM, EngineArgs, SamplingParams, auto_dtype
 from jaxpaged.async_engine import AsyncLLMEngine
-from jaxpaged.cli import build_parser, engine_args_from, load_chat_template, main
+from jaxpaged.cli import build_parser, engine_args_from, main
+from jaxpaged.cli_args import load_chat_template
 from jaxpaged.config import DEFAULT_MODEL, EngineConfig
 from jaxpaged.kernels import cpu_matmul
 from jaxpaged.server import app as server_app
 from jaxpaged.server import build_app
 from jaxpaged.server.app import CORSOptions
-from jaxpaged.server.serving import ServerLimits
+from jaxpaged.server.serving_base import ServerLimits
 from test_server import ENGINE_ARGS, serve
 
 VLLM_COMMAND = (

@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxpaged.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager
+from jaxpaged.block_pool import NULL_BLOCK_ID, BlockPool
+from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.request import Request
 from jaxpaged.sampling_params import SamplingParams
 

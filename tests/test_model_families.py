@@ -15,17 +15,9 @@ from transformers import GPT2Config, MistralConfig, OPTConfig, Qwen2Config
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.weights import load_checkpoint
 from jaxpaged.models import registry
-from jaxpaged.models.decoder import (
-    ACTIVATIONS,
-    DecoderForCausalLM,
-    activate,
-    column_sections,
-    init_params,
-    layer_name,
-    pack_for_matmul_backend,
-    parallel_style,
-    stack_layers,
-)
+from jaxpaged.models.decoder import ACTIVATIONS, DecoderForCausalLM, activate, layer_name
+from jaxpaged.models.params import init_params, pack_for_matmul_backend, stack_layers
+from jaxpaged.models.partitioning import column_sections, parallel_style
 from jaxpaged.kernels import AttentionMetadata
 from jaxpaged.kernels.cpu_matmul import native_matmul_available, pack_quantized, pack_weight
 from test_engine_equivalence import MAX_TOKENS, PROMPT_LENGTHS, assert_matches_hf, generate

@@ -21,7 +21,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.cli import main as cli
 from jaxpaged.weights import MODEL_CARD, load_checkpoint, load_orbax, resolve_model_path, save_orbax
 from jaxpaged.models import registry
-from jaxpaged.models.decoder import init_params
+from jaxpaged.models.params import init_params
 from jaxpaged.models.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

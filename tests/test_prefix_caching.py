@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.kv_cache_manager import KVCacheManager, hash_block
+from jaxpaged.block_hash import hash_block
+from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.request import Request
 from tiny_models import hf_greedy
 

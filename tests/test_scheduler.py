@@ -9,14 +9,18 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from jaxpaged.block_pool import NULL_BLOCK_ID
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from jaxpaged.generation_config import GenerationDefaults
+from jaxpaged.input_processor import InputProcessor
+from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +54,20 @@ def make_scheduler(
         ),
         KVCacheManager(num_blocks, block_size),
         max_model_len,
+    )
+
+
+def make_input_processor(max_model_len: int, budget: int = 16, chunked: bool = True) -> InputProcessor:
+    """The engine's admission check (``InputProcessor.make_request``), which the scheduler leaves to it:
+    for token-id prompts it needs no tokenizer (only its EOS id) and no grammar compiler."""
+    return InputProcessor(
+        SimpleNamespace(eos_token_id=None),
+        GenerationDefaults(),
+        None,
+        SchedulerConfig(budget, 8, chunked),
+        vocab_size=100,
+        max_model_len=max_model_len,
+        seed=0,
     )
 
 
@@ -363,8 +381,11 @@ def test_a_turn_lasts_as_many_tags_as_the_prompt_runs_sequences() -> None:
 def test_add_requests_is_all_or_nothing() -> None:
     sched = make_scheduler(max_model_len=16)
     good = make_request("good", 2, 2)
+    with pytest.raises(ValueError, match="needs 75 KV blocks"):  # 63 usable blocks of 4 tokens
+        sched.add_requests([good, make_request("too-big", 200, 100)])
+    # A prompt too long for max_model_len never reaches the scheduler: the engine's check refuses it.
     with pytest.raises(ValueError, match="exceeds max_model_len"):
-        sched.add_requests([good, make_request("too-long", 10, 10)])
+        make_input_processor(16).make_request("too-long", [7] * 10, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match=r"\['twin'\] are given twice"):
         sched.add_requests([make_request("twin", 2, 2), make_request("twin", 2, 2)])
     assert not sched.has_unfinished_requests() and not sched.waiting
@@ -552,12 +573,27 @@ def test_finish_request_needs_a_finished_status() -> None:
 
 
 @pytest.mark.parametrize(
+    "prompt_len,max_tokens,chunked,max_model_len,match",
+    [
+        # The engine's checks (InputProcessor): the scheduler never sees these requests.
+        (0, 4, True, 64, "prompt is empty"),
+        (60, 5, True, 64, "exceeds max_model_len.*lower max_tokens"),
+        # Chunked prefill off: the engine's budget holds max_model_len (plan_kv_cache), here 16.
+        (17, 1, False, 16, "max_model_len is 16.*shorten the prompt"),
+    ],
+)
+def test_bad_prompts_rejected_by_the_engines_check(
+    prompt_len: int, max_tokens: int, chunked: bool, max_model_len: int, match: str
+) -> None:
+    processor = make_input_processor(max_model_len, budget=16, chunked=chunked)
+    with pytest.raises(ValueError, match=match):
+        processor.make_request("bad", [7] * prompt_len, SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize(
     "prompt_len,max_tokens,chunked,match",
     [
-        (0, 4, True, "empty prompt"),
-        (60, 5, True, "exceeds max_model_len.*shorten the prompt or lower max_tokens"),
         (30, 11, True, "needs 11 KV blocks.*only 10.*more blocks"),
-        (17, 1, False, "longer than max_num_batched_tokens.*enable chunked prefill"),
     ],
 )
 def test_impossible_requests_rejected_without_trace(
@@ -591,10 +627,9 @@ def test_duplicate_request_id_rejected() -> None:
 
 
 def test_non_positive_max_tokens_rejected() -> None:
-    sched = make_scheduler()
+    # The engine's check: the request is never built, so the scheduler never sees it.
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
-        sched.add_request(make_request("x", 3, 0))
-    assert not sched.has_unfinished_requests()
+        make_input_processor(1024).make_request("x", [7] * 3, SamplingParams(max_tokens=0))
 
 
 workload = st.fixed_dictionaries(
@@ -697,15 +732,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         lag: bool,
         num_scheduler_steps: int,
     ) -> None:
+        # As the engine's config: with chunked prefill off the budget holds max_model_len (plan_kv_cache).
+        max_model_len = 40 if chunked else budget
         self.sched = make_scheduler(
             num_blocks,
             block_size,
             budget,
             max_seqs,
             chunked,
-            max_model_len=40,
+            max_model_len=max_model_len,
             num_scheduler_steps=num_scheduler_steps,
         )
+        self.processor = make_input_processor(max_model_len, budget, chunked)
         self.eng = FakeEngine(self.sched, lag=lag)
         self.next_id = 0
         self.known: dict[str, Request] = {}
@@ -714,6 +752,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, prompt_len: int, max_tokens: int) -> None:
         req = make_request(str(self.next_id), prompt_len, max_tokens)
         self.next_id += 1
+        try:  # the engine's check first: the scheduler is given only the requests that pass it
+            self.processor.make_request(
+                req.request_id, [7] * prompt_len, SamplingParams(max_tokens=max_tokens)
+            )
+        except ValueError:
+            return
         waiting_before = list(self.sched.waiting)
         try:
             self.sched.add_request(req)

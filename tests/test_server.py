@@ -331,14 +331,14 @@ def test_text_delta_events_are_the_bytes_pydantic_dumps(api):
     """A streamed text chunk is written from a template, not through pydantic: for texts of every
     kind of character JSON treats apart (ASCII controls, quotes, backslashes, U+2028, non-BMP, BOM),
     the event is byte for byte what dumping the chunk's models gives."""
-    from jaxpaged.server.protocol import (
+    from jaxpaged.server.event_stream import TextDeltaEvents, sse
+    from jaxpaged.server.response_models import (
         ChatChunkChoice,
         ChatCompletionChunk,
         CompletionChoice,
         CompletionResponse,
         DeltaMessage,
     )
-    from jaxpaged.server.serving import TextDeltaEvents, sse
 
     if api == "chat":
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jaxpaged import EngineArgs
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server import build_app
-from jaxpaged.server.protocol import (
+from jaxpaged.server.request_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from jaxpaged import EngineArgs, LLMEngine
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.server import build_app
-from jaxpaged.server.serving import ServerLimits
+from jaxpaged.server.serving_base import ServerLimits
 from test_async_engine import GatedEngine
 from test_server import ENGINE_ARGS, MODEL, serve
 

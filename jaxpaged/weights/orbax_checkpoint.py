@@ -33,7 +33,7 @@ import transformers
 from flax import traverse_util
 
 from jaxpaged.math_utils import cdiv
-from jaxpaged.models.decoder import param_shapes
+from jaxpaged.models.params import param_shapes
 from jaxpaged.models.registry import config_from_hf, supported_architectures
 from jaxpaged.weights.resolve import MODEL_CARD, ORBAX_PARAMS_DIR, Checkpoint
 
