@@ -35,6 +35,7 @@ from jaxpaged.generation_config import GenerationDefaults
 from jaxpaged.prompts import PromptInput, parse_prompt
 from jaxpaged.request import Request, RequestOutput, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
 from jaxpaged.step_stats import StepStats
 
 if TYPE_CHECKING:  # the engine pulls in JAX; importing this module should not
@@ -82,6 +83,8 @@ class EngineStats:
     """Preemptions so far (a request preempted twice counts twice)."""
     steps: StepStats
     """The steps' histograms so far."""
+    spec_decode: SpecDecodingStats | None
+    """Speculative decoding's counters so far (None without it)."""
     alive: bool
 
 
@@ -472,6 +475,7 @@ class AsyncLLMEngine:
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.engine.scheduler.num_preemptions,
             steps=self.engine.step_stats.copy(),
+            spec_decode=None if (spec := self.engine.spec_decode_stats) is None else spec.copy(),
             alive=self._error is None,
         )
 

@@ -189,7 +189,9 @@ class BatchBuilder:
         row_of_tok = iota[:R] if decode else np.repeat(iota[:R], n)
         positions = np.zeros(T_b, np.int32)
         positions[:T] = starts if decode else iota[:T] - qsl[row_of_tok] + starts[row_of_tok]
-        input_ids, prev_index = self._token_ids(reqs, slots, starts, n, out.num_host_tokens, qsl, T_b)
+        input_ids, prev_index = self._token_ids(
+            reqs, slots, starts, n, out.num_host_tokens, qsl, T_b, out.spec_token_ids
+        )
         table_rows = padded(self.block_table.device_rows(slots), R_b, 0)
         token_rows = padded(row_of_tok, T_b, -1)
         seq_lens_b = padded(seq_lens, R_b, 0)
@@ -215,20 +217,32 @@ class BatchBuilder:
         )
         NP = len(prompt_idx)
         NP_b = 0 if NP == 0 else pow2_bucket(NP, floor=MIN_PROMPT_POSITIONS)
-        # Sampled rows: one per request, then one per fork (sampled from its parent row's logits).
+        # Sampled rows: one per request, then one per fork (sampled from its parent row's logits), then
+        # one per draft a verifying row checks (``SchedulerOutput.verify_rows``).
         fork_rows = np.asarray([row for row, _ in out.forks], np.int32)
-        S = R + len(fork_rows)
-        S_b = R_b if not len(fork_rows) else max(R_b, self.row_bucket(self.token_bucket(S)))
+        verify_rows, verify_at = self._verify_rows(out, qsl)
+        S = R + len(fork_rows) + len(verify_rows)
+        S_b = R_b if S == R else max(R_b, self.row_bucket(self.token_bucket(S)))
+        if S_b < S:  # verifying rows can outnumber max_rows
+            S_b = pow2_bucket(S)
         logits_indices = np.zeros(S_b + NP_b, np.int32)
         logits_indices[:R] = qsl[1 : R + 1] - 1
-        logits_indices[R:S] = logits_indices[fork_rows]
+        logits_indices[R : R + len(fork_rows)] = logits_indices[fork_rows]
+        if len(verify_rows):
+            logits_indices[R + len(fork_rows) : S] = verify_at
         logits_indices[S_b : S_b + NP] = prompt_idx
         targets = padded(prompt_targets, NP_b, 0)
         prompt_widths = [reqs[i].sampling_params.prompt_logprobs for i in set(prompt_rows.tolist())]
+        # A fork samples with its own slot's parameters (its seed); a verifying row with its request's.
+        extra_slots = np.concatenate([fork_slots, slots[verify_rows]]) if len(verify_rows) else fork_slots
+        seqs = reqs + children + [reqs[i] for i in verify_rows.tolist()]
         sampling, flags = self._sampling_inputs(
-            reqs + children,
-            np.concatenate([slots, fork_slots]) if children else slots,
-            np.concatenate([seq_lens, seq_lens[fork_rows]]),
+            seqs,
+            np.concatenate([slots, extra_slots]) if len(extra_slots) else slots,
+            # A verifying row samples the position after its token: its draft's.
+            np.concatenate(
+                [seq_lens, seq_lens[fork_rows], verify_at - qsl[verify_rows] + starts[verify_rows] + 1]
+            ),
             S_b,
             prompt_widths,
         )
@@ -237,7 +251,7 @@ class BatchBuilder:
         else:
             samples = np.fromiter(out.samples, bool, R)
             slots_state.last_sample_row[slots[samples]] = np.flatnonzero(samples)
-        slots_state.last_sample_row[fork_slots] = np.arange(R, S, dtype=np.int32)
+        slots_state.last_sample_row[fork_slots] = np.arange(R, R + len(fork_slots), dtype=np.int32)
         step_writes = np.empty((3, R_b), np.int32)
         table_writes = self.block_table.take_step_writes(step_writes)
         b = StepBatch(
@@ -271,6 +285,19 @@ class BatchBuilder:
         )
         self._steady = (slots, b) if steady else None
         return b
+
+    @staticmethod
+    def _verify_rows(out: SchedulerOutput, qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding's extra sampled rows, in ``verify_rows`` order: each one's batch row, and
+        the token index whose logits it samples (a row's last known token, then each draft but its last)."""
+        spec = out.spec_token_ids
+        if not spec:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        rows = sorted(spec)
+        counts = np.fromiter((len(spec[i]) for i in rows), np.int32, len(rows))
+        batch_rows = np.repeat(np.asarray(rows, np.int32), counts)
+        within = np.arange(len(batch_rows), dtype=np.int32) - np.repeat(np.cumsum(counts) - counts, counts)
+        return batch_rows, qsl[batch_rows] + within
 
     def _next_steady_batch(self, last: StepBatch, slots: np.ndarray, out: SchedulerOutput) -> StepBatch:
         """The step after a steady decode step ``last`` of the same sequences, all its tokens in
@@ -363,10 +390,11 @@ class BatchBuilder:
         host_n: list[int],
         qsl: np.ndarray,
         T_b: int,
+        spec: dict[int, list[int]],
     ) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` of the step (the host's part of each row's span, its first ``host_n``
-        tokens), and ``prev_index``: the row's last token, if its id is still on the device, is the
-        previous step's sample at that row."""
+        tokens; a verifying row's ``spec`` drafts after its last token), and ``prev_index``: the row's
+        last token, if its id is still on the device, is the previous step's sample at that row."""
         input_ids = np.zeros(T_b, np.int32)
         R = len(n)
         prev_index = np.full(T_b, -1, np.int32)
@@ -382,10 +410,17 @@ class BatchBuilder:
         H = int(host_n.sum())
         if H:
             k = host_n[rows]
+
+            def row_tokens(i: int, s: int, c: int) -> list[int]:
+                drafts = spec.get(i)
+                if drafts is None:
+                    return reqs[i].token_ids_slice(s, s + c)
+                return reqs[i].token_ids_slice(s, s + c - len(drafts)) + drafts
+
+            tokens_of = row_tokens if spec else lambda i, s, c: reqs[i].token_ids_slice(s, s + c)
             flat = np.fromiter(
                 itertools.chain.from_iterable(
-                    reqs[i].token_ids_slice(s, s + c)
-                    for i, s, c in zip(rows.tolist(), starts[rows].tolist(), k.tolist())
+                    map(tokens_of, rows.tolist(), starts[rows].tolist(), k.tolist())
                 ),
                 np.int32,
                 H,

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from jaxpaged.generation_config import GENERATION_CONFIG_FILE, GENERATION_CONFIG_MODES
+from jaxpaged.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas", "pallas_interpret")
@@ -225,6 +226,17 @@ class EngineArgs:
         "new arrivals wait for the group to end.",
     )
 
+    speculative_config: dict | str | None = _arg(
+        None,
+        "Speculative decoding, vLLM's dict (on the CLI its JSON): "
+        '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2} '
+        "proposes k tokens copied from where the latest tokens occurred before in the prompt or output; "
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": k} has a smaller model with the '
+        "same tokenizer propose them. One step verifies them all; outputs are unchanged (greedy and seeded "
+        "requests: token for token). Optional keys: disable_by_batch_size (no proposals while that many "
+        "requests run), min_acceptance_rate (a request accepting fewer drafts than this backs off).",
+    )
+
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
 
@@ -333,6 +345,7 @@ class EngineConfig:
     precompile: bool
     parallel: ParallelConfig = ParallelConfig()
     async_scheduling: bool = True
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_args(cls, a: EngineArgs) -> "EngineConfig":
@@ -413,4 +426,5 @@ class EngineConfig:
             precompile=a.precompile,
             parallel=ParallelConfig(a.tensor_parallel_size, a.data_parallel_size),
             async_scheduling=a.async_scheduling,
+            speculative=SpeculativeConfig.parse(a.speculative_config),
         )

@@ -30,6 +30,7 @@ from jaxpaged.engine_base import EngineBase, request_id_in_use
 from jaxpaged.kv_cache_manager import PrefixCacheStats, SharingStats
 from jaxpaged.request import Request, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
 from jaxpaged.step_stats import StepStats
 
 if TYPE_CHECKING:  # annotations only: ``engine`` imports this module, and builds the replicas for it
@@ -232,6 +233,12 @@ class DataParallelEngine(EngineBase):
     def step_stats(self) -> StepStats:
         """The replicas' steps together (a new record)."""
         return sum((e.step_stats for e in self.replicas), StepStats())
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodingStats | None:
+        """The replicas' speculative-decoding counters together (None without ``speculative_config``)."""
+        stats = [e.spec_decode_stats for e in self.replicas]
+        return None if stats[0] is None else sum(stats, SpecDecodingStats())
 
     def memory_per_device(self) -> dict[Any, parallel.DeviceMemory]:
         """Every replica's devices (disjoint) with their parameter and KV bytes."""

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged import host_memory, parallel
 from jaxpaged.auto_dtype import resolve_auto_dtype
@@ -53,7 +54,12 @@ from jaxpaged.request import CompletionOutput, Request, RequestOutput, RequestSt
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.scheduler_output import SchedulerOutput
-from jaxpaged.step_batch import LaunchedStep
+from jaxpaged.spec_decode.draft_proposer import DraftModelProposer, draft_engine_config
+from jaxpaged.spec_decode.ngram_proposer import NgramProposer
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
+from jaxpaged.spec_decode.rejection import num_accepted
+from jaxpaged.spec_decode.speculator import Speculator
+from jaxpaged.step_batch import LaunchedStep, StepOutput
 from jaxpaged.step_stats import StepStats
 from jaxpaged.structured_outputs import GrammarCompiler
 from jaxpaged.tokenizer import Tokenizer
@@ -153,6 +159,12 @@ class LLMEngine(EngineBase):
             self.tokenizer, self.scheduler, self._beam_searches.of_beam, self._fail
         )
         self.async_scheduling = config.async_scheduling
+        self.speculator = (
+            None
+            if config.speculative is None
+            else Speculator(config.speculative, self._make_proposer(group), self.max_model_len)
+        )
+        """Speculative decoding's drafts and counters (``speculative_config``), else None."""
         self._in_flight: _InFlight | None = None
         self._failed: list[RequestOutput] = []
         """The last outputs of requests that failed (``_fail``), for ``step`` to return."""
@@ -180,6 +192,14 @@ class LLMEngine(EngineBase):
             f" per device, {tp} devices" if tp > 1 else "",
             ", sized automatically" if cc.sized_automatically else "",
         )
+
+    def _make_proposer(self, group: Sequence[jax.Device]) -> NgramProposer | DraftModelProposer:
+        """The speculative config's proposer; a draft model runs in an engine of its own on the first device."""
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft = LLMEngine(draft_engine_config(self.config, self.cache_info.num_blocks, self.max_model_len), devices=group[:1])
+        return DraftModelProposer(draft, self.tokenizer, self.vocab_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine | DataParallelEngine:
@@ -251,6 +271,11 @@ class LLMEngine(EngineBase):
         waited for: the next ``step()`` drops its tokens.)"""
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def spec_decode_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters so far (None without ``speculative_config``)."""
+        return None if self.speculator is None else self.speculator.stats
+
     def sharing_stats(self) -> SharingStats:
         """Blocks used now vs. blocks the live sequences would hold without sharing
         (``saved_fraction`` = (without - used) / without)."""
@@ -282,17 +307,23 @@ class LLMEngine(EngineBase):
         previous one's samples (while the new one runs) and return their outputs. Otherwise, or
         when the step needs the previous step's tokens on the host: finish the step in flight,
         then schedule, run and take in a step."""
+        spec = self.speculator
         if (
             self.async_scheduling
             and not self.output_processor.num_synchronous
             and not self._beam_searches.by_id
+            and not (spec is not None and spec.wants_sync)
         ):
             launched = self._launch()
             outputs = self._take_in(self._in_flight)
             self._in_flight = launched
+            if spec is not None:
+                spec.probe(self.scheduler.running)
         else:
             outputs = self._take_in(self._in_flight)
             self._in_flight = None
+            if spec is not None:  # drafts need every token on the host: the step before is taken in
+                spec.propose(self.scheduler.running)
             outputs += self._take_in(self._launch())
         if self._failed:
             outputs += self._failed
@@ -302,6 +333,9 @@ class LLMEngine(EngineBase):
     def _launch(self) -> _InFlight | None:
         """Schedule a step and launch it on the device (not waited for)."""
         out = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.clear_drafts()
+            self.speculator.forget_many(out.finished_request_ids)
         launched = self.runner.launch(out)  # block transfers even when nothing runs (swap-outs of idle beams)
         for request_id, error in self.runner.slots.take_failed().items():
             self._fail(request_id, error)
@@ -313,8 +347,9 @@ class LLMEngine(EngineBase):
             return []
         res = self.runner.collect(step.launched)
         now = time.time()
-        processed = self.output_processor.process(step.out, res, now)
-        self._record_step(step.out, now, processed.num_first_or_dropped)
+        accepted = self._verify(step.out, res) if step.out.spec_token_ids else {}
+        processed = self.output_processor.process(step.out, res, now, accepted)
+        self._record_step(step.out, now, processed.num_first_or_dropped, sum(accepted.values()))
         outputs = processed.outputs
         for search in processed.beam_searches:
             if search.root.request_id not in self._beam_searches.by_id:
@@ -328,14 +363,41 @@ class LLMEngine(EngineBase):
                 outputs.append(output)
         return outputs
 
-    def _record_step(self, out: SchedulerOutput, now: float, num_first_or_dropped: int) -> None:
+    def _verify(self, out: SchedulerOutput, res: StepOutput) -> dict[int, int]:
+        """The drafts each verifying row of ``out`` keeps (``rejection``), by row; the rest are rolled
+        back (``Scheduler.reject_draft_tokens``) and the speculator counts both."""
+        rows = sorted(out.spec_token_ids)
+        drafts = [out.spec_token_ids[i] for i in rows]
+        k = max(map(len, drafts))
+        tokens = res.sampled.tokens
+        sampled = np.full((len(rows), k + 1), -1, np.int64)
+        padded_drafts = np.full((len(rows), k), -1, np.int64)
+        for j, (i, first) in enumerate(zip(rows, out.verify_rows())):
+            m = len(drafts[j])
+            sampled[j, :m] = tokens[first : first + m]
+            sampled[j, m] = tokens[i]
+            padded_drafts[j, :m] = drafts[j]
+        kept = num_accepted(sampled, padded_drafts).tolist()
+        for i, d, a in zip(rows, drafts, kept):
+            request = out.requests[i]
+            self.scheduler.reject_draft_tokens(request, len(d) - a)
+            self.speculator.record(request, len(d), a)
+        return dict(zip(rows, kept))
+
+    def _record_step(
+        self, out: SchedulerOutput, now: float, num_first_or_dropped: int, num_accepted_drafts: int = 0
+    ) -> None:
         """Count the tokens the step computed, and the gap before each decode token it sampled: the time
         since the previous step's take-in, when every sample that ran in that step took its previous
         token (one that sat out steps, as after a preemption, waited longer than counted), shared
         evenly by a multi-step batch's steps."""
         stats = self.step_stats
         stats.iteration_tokens.observe(out.total_num_tokens)
-        sampled = out.total_num_tokens if out.num_steps > 1 else out.samples.count(True) + len(out.forks)
+        sampled = (
+            out.total_num_tokens
+            if out.num_steps > 1
+            else out.samples.count(True) + len(out.forks) + num_accepted_drafts
+        )
         num_decode = sampled - num_first_or_dropped
         if num_decode > 0 and self._last_take_in is not None:
             stats.inter_token_latency.observe((now - self._last_take_in) / out.num_steps, num_decode)

@@ -34,6 +34,7 @@ def plan_steps(
         if (
             not request.multi_step
             or request.pending_forks
+            or request.spec_token_ids
             or request.num_prompt_tokens + outputs - computed != 1
         ):
             return None

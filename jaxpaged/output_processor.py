@@ -43,6 +43,24 @@ def _stop_prefix_len(text: str, stops: list[str], end: int) -> int:
     return best
 
 
+def _verified_rows(rows, out: SchedulerOutput, accepted: dict[int, int]):
+    """``rows`` (``(sampled row, request)`` pairs) with each verifying row's kept drafts, then the token
+    sampled after them, in its place: the kept drafts' rows are their sampled rows (``verify_rows``),
+    equal to the drafts, and the last is the first rejected position's sample or, with every draft
+    kept, the row's own (the bonus token). Its placeholder count grows by the extra tokens."""
+    firsts = dict(zip(sorted(out.spec_token_ids), out.verify_rows()))
+    for i, req in rows:
+        a = accepted.get(i)
+        if a is None:
+            yield i, req
+            continue
+        first = firsts[i]
+        req.num_output_placeholders += a
+        for j in range(a):
+            yield first + j, req
+        yield (first + a if a < len(out.spec_token_ids[i]) else i), req
+
+
 @dataclass
 class ProcessedStep:
     """What one step's samples produced."""
@@ -108,9 +126,12 @@ class OutputProcessor:
 
     # ---- a step's samples -----------------------------------------------------------------
 
-    def process(self, out: SchedulerOutput, res: StepOutput, now: float) -> ProcessedStep:
+    def process(
+        self, out: SchedulerOutput, res: StepOutput, now: float, accepted: dict[int, int] | None = None
+    ) -> ProcessedStep:
         """Append a step's samples, check their stops, and build the outputs of the requests with
-        something to report; beams' candidates go to their searches."""
+        something to report; beams' candidates go to their searches. ``accepted``: how many drafts each
+        verifying row (``out.spec_token_ids``) keeps; it appends them and the token sampled after them."""
         self._record_prompt_logprobs(out.requests, res)
         touched: dict[str, Request] = {}
         searches: dict[str, BeamSearch] = {}
@@ -120,6 +141,8 @@ class OutputProcessor:
             # Rows that sample: requests whose step reached their last known token, then the forks.
             R = len(out.requests)
             rows = itertools.compress(enumerate(out.requests), out.samples)
+            if accepted:
+                rows = _verified_rows(rows, out, accepted)
             if out.forks:
                 rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
             num_first_or_dropped = self._append_samples(rows, res.sampled, now, touched, searches)
@@ -402,6 +425,14 @@ class OutputProcessor:
             metrics["first_token_time"] = first
         if finished:
             metrics["finished_time"] = max(r.finished_time or 0.0 for r in samples)
+        verifications = sum(r.num_spec_verifications for r in samples)
+        if verifications:
+            drafted = sum(r.num_spec_draft_tokens for r in samples)
+            kept = sum(r.num_spec_accepted_tokens for r in samples)
+            metrics["spec_decode_num_draft_tokens"] = drafted
+            metrics["spec_decode_num_accepted_tokens"] = kept
+            metrics["spec_decode_acceptance_rate"] = kept / drafted
+            metrics["spec_decode_mean_acceptance_length"] = 1 + kept / verifications
         prompt_logprobs = parent.prompt_logprobs
         if prompt_logprobs is not None:
             if sp.output_kind is not RequestOutputKind.DELTA:

@@ -168,6 +168,15 @@ class Request:
     first_scheduled_time: float | None = None
     """When the scheduler first admitted it (resuming after a preemption leaves it): its queueing ends
     and its prefill begins there, as in vLLM's request metrics."""
+    spec_token_ids: Sequence[int] = ()
+    """Speculative decoding: draft tokens for the next schedule to verify after its last token (the
+    engine's ``Speculator`` sets and takes them back around a schedule)."""
+    num_spec_draft_tokens: int = 0
+    """Draft tokens verified for this sample so far, ..."""
+    num_spec_accepted_tokens: int = 0
+    """... of which accepted, ..."""
+    num_spec_verifications: int = 0
+    """... in this many verifying steps."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

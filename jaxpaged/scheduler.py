@@ -208,6 +208,11 @@ class Scheduler:
                 f"or num_gpu_blocks_override)."
             )
 
+    def reject_draft_tokens(self, request: Request, num_rejected: int) -> None:
+        """Roll back the KV positions of a verifying row's rejected drafts: they are computed again, as the
+        tokens sampled there, by later steps (their blocks stay with the request, which reuses them)."""
+        request.num_computed_tokens -= num_rejected
+
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a request in any state, freeing its blocks at once; None if the id is unknown."""
         request = self._requests.get(request_id)
@@ -284,6 +289,7 @@ class Scheduler:
                 and num_outputs < request.max_tokens
                 and not request.pending_forks
                 and not (shared_tails and request.request_id in shared_tails)
+                and not request.spec_token_ids
             )
             if fast and not computed % block_size and len(request.block_ids) * block_size <= computed:
                 fast = room > 0
@@ -307,6 +313,18 @@ class Scheduler:
             if opening:
                 kv.grow_tables(opening)
                 opening.clear()
+            drafts = request.spec_token_ids
+            if drafts:
+                # Its last token and as many drafts as fit, if their blocks are free: drafts never preempt.
+                with_drafts = min(num_new + len(drafts), budget, max_len - computed)
+                if with_drafts > num_new and allocate(request, with_drafts):
+                    room = kv.num_free_blocks
+                    self._fill_fast_rows(out)
+                    add(out, request, with_drafts, forked, known)
+                    out.spec_token_ids[len(out.requests) - 1] = list(drafts[: with_drafts - num_new])
+                    out.num_host_tokens[-1] = with_drafts
+                    budget -= with_drafts
+                    continue
             if not allocate(request, num_new) and not self._preempt_for(request, num_new, out):
                 break  # `request` preempted itself: it was the last running one.
             room = kv.num_free_blocks

@@ -46,10 +46,23 @@ class SchedulerOutput:
     """(device block, host block) pairs copied to host before this step (before any other copy)."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) pairs copied to the device before this step."""
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Speculative decoding: row -> the draft tokens that row ``i`` verifies. Its new tokens are its last
+    token and these; it samples after each of them (``verify_rows``) and after the last."""
     num_steps: int = 1
     """More than 1: a multi-step decode batch. Every row decodes one token per step for
     ``num_new_tokens[i]`` (at most ``num_steps``, never increasing along the rows) consecutive steps
     of one program, sampling each step; its first token is the one at ``start_positions[i]``."""
+
+    def verify_rows(self) -> list[int]:
+        """For each row of ``spec_token_ids``, in row order, the sampled row of its first draft: a verifying
+        row's draft positions are sampled rows of their own, after the rows and the forks, in row order
+        (its last position is its own row)."""
+        first, firsts = len(self.requests) + len(self.forks), []
+        for i in sorted(self.spec_token_ids):
+            firsts.append(first)
+            first += len(self.spec_token_ids[i])
+        return firsts
 
     @property
     def total_num_tokens(self) -> int:

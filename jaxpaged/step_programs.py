@@ -310,7 +310,9 @@ def sample_fn(logits, sampling, prompt_targets, *, flags: SamplerFlags, num_toke
         if prompt_targets.shape[0]
         else None
     )
-    return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:R].set(sampled.tokens)
+    # Speculative decoding's verifying rows come after every row a later step may read from: not kept.
+    n = min(R, num_token_slots)
+    return sampled, prompt, jnp.zeros(num_token_slots, jnp.int32).at[:n].set(sampled.tokens[:n])
 
 
 def _steps(

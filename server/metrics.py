@@ -26,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 from jaxpaged import step_stats
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.request import RequestOutput
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
 
 disable_created_metrics()  # no "*_created" timestamp series next to each counter (as vLLM)
 
@@ -188,11 +189,33 @@ class _EngineCollector(Collector):
             labels,
             s.steps.inter_token_latency,
         )
+        if s.spec_decode is not None:
+            yield from _spec_decode_families(s.spec_decode, labels)
         info = GaugeMetricFamily(
             "cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self._cache_config)
         )
         info.add_metric(list(self._cache_config.values()), 1)
         yield info
+
+
+def _spec_decode_families(spec: SpecDecodingStats, labels: list[str]) -> Iterable[Metric]:
+    """vLLM's speculative-decoding counters."""
+    for name, doc, value in [
+        ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+    ]:
+        metric = CounterMetricFamily(name, doc, labels=_LABELS)
+        metric.add_metric(labels, value)
+        yield metric
+    per_pos = CounterMetricFamily(
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=[*_LABELS, "position"],
+    )
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([*labels, str(position)], value)
+    yield per_pos
 
 
 class _JaxpagedEngineCollector(Collector):

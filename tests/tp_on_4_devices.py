@@ -92,6 +92,30 @@ def test_multi_step_under_tp_matches_single_device(run, tiny_model_factory, prom
     assert llm.engine.runner.kv_pages.sharding.spec[4] == "tp"
 
 
+def test_speculative_decoding_under_tp_matches_single_device(tiny_model_factory):
+    """n-gram speculation's verifying rows (several query tokens, a sampled row per draft) over the mesh."""
+    path, _ = tiny_model_factory("gqa_untied", **VARIANTS["gqa_untied"])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 350, 5).tolist() * 4 for _ in range(3)]
+    # Long enough for the tiny model to fall into a cycle, which the lookup then proposes.
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    results = []
+    for tp, speculative_config in [(1, None), (2, spec)]:
+        llm = LLM(str(path), tensor_parallel_size=tp, speculative_config=speculative_config, **ENGINE)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        results.append(
+            (
+                [o.outputs[0].token_ids for o in outs],
+                [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
+            )
+        )
+        assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
+    assert results[1][0] == results[0][0]
+    np.testing.assert_allclose(results[1][1], results[0][1], atol=1e-4)
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_device_holds_only_its_kv_heads(run, tp):
     """GQA with 2 kv heads: TP=2 gives each device one head; TP=4 repeats each head twice, so

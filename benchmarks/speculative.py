@@ -1,0 +1,171 @@
+"""Speculative decoding's speed: TPOT and output tok/s at 1, 4 and 16 concurrent requests, with and
+without speculation, on two workloads.
+
+``copy``: real text that the answer copies from, n-gram lookup's home ground: chat requests asking the
+model to repeat, correct or continue a passage given in the prompt (greedy; EOS ends them, and the
+outputs are the same with and without speculation, so both do the same work). ``random``: random
+token-id prompts decoding ``--max-tokens`` tokens (EOS ignored), where a lookup rarely finds anything.
+
+Each (workload, concurrency) runs the plain engine and the speculating one alternately, ``--rounds``
+times each after a warm-up, and reports medians: TPOT is each request's (finish - first token) /
+(output tokens - 1), its median over the batch; output tok/s is the batch's tokens over the wall time.
+``--draft-model PATH`` adds a draft-model run (``method: draft_model``). ``python -m benchmarks.speculative``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks.common import UNDER_LOAD, print_table, resolve_model_arg, write_json
+from jaxpaged import LLM, SamplingParams
+
+PASSAGES = [
+    "The harbour town wakes before the sun. Fishing boats slip out past the lighthouse while the bakery on "
+    "the corner lights its ovens, and by six the smell of bread reaches the quay. Gulls argue over the "
+    "nets, a bus coughs at the square, and the first ferry of the day sounds its horn twice as it leaves "
+    "for the islands. By noon the market is full of tourists, crates of lemons and the noise of bargaining.",
+    "To replace a bicycle chain, shift to the smallest cog, open the quick link with pliers and pull the old "
+    "chain off. Lay it beside the new one to cut the new chain to the same length. Thread the new chain "
+    "through the rear derailleur and over the front ring, join the ends with a fresh quick link, and pedal "
+    "backwards while you pull the link tight. Finally, check every gear before you ride.",
+    "Our library will change its opening hours from the first of March. On weekdays it will open at nine "
+    "and close at eight; on Saturdays it will open at ten and close at four; on Sundays it will stay closed. "
+    "Books can still be returned at any hour through the slot by the main door. The reading room on the "
+    "second floor will be repainted in April, and study groups can book the ground floor meeting room.",
+    "Photosynthesis turns light into chemical energy. In the leaves, chlorophyll absorbs light, mostly red "
+    "and blue, and the energy splits water into oxygen, protons and electrons. The oxygen leaves through "
+    "small pores called stomata. The electrons and protons drive the making of ATP and NADPH, which the "
+    "Calvin cycle then uses to fix carbon dioxide from the air into sugars the plant can store or burn.",
+]
+TASKS = [
+    "Repeat the following passage exactly, word for word.",
+    "Correct any mistakes in the following passage and write it out again in full.",
+    "Copy the passage below, then add one sentence that continues it.",
+    "Rewrite the following passage line by line, keeping every sentence.",
+]
+
+
+def copy_prompts(llm: LLM, n: int) -> list[list[int]]:
+    """``n`` chat prompts' token ids, each a task over a passage (cycling through both lists)."""
+    tok = llm.get_tokenizer()
+    prompts = []
+    for i in range(n):
+        message = f"{TASKS[i % len(TASKS)]}\n\n{PASSAGES[(i // len(TASKS) + i) % len(PASSAGES)]}"
+        prompts.append(tok.apply_chat_template([{"role": "user", "content": message}]))
+    return prompts
+
+
+def timed(llm: LLM, prompts, params) -> tuple[float, float, int, list[list[int]]]:
+    """(median TPOT in seconds, output tok/s, output tokens, the outputs' token ids) of one ``generate``."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tpots, tokens = [], 0
+    for o in outs:
+        n = len(o.outputs[0].token_ids)
+        tokens += n
+        if n > 1:
+            tpots.append((o.metrics["finished_time"] - o.metrics["first_token_time"]) / (n - 1))
+    return statistics.median(tpots), tokens / wall, tokens, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a model argument, or 'tiny' (random)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--workloads", default="copy,random")
+    ap.add_argument(
+        "--max-tokens", type=int, default=160, help="copy: the cap (EOS ends most); random: exact"
+    )
+    ap.add_argument("--random-prompt-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    )
+    ap.add_argument("--draft-model", default=None, help="also run method draft_model with this model")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    model = resolve_model_arg(args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    common = dict(max_num_seqs=max(levels), dtype=args.dtype)
+    engines = {
+        "plain": LLM(model, **common),
+        "ngram": LLM(model, speculative_config=args.speculative_config, **common),
+    }
+    if args.draft_model:
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        spec = {
+            "method": "draft_model",
+            "model": resolve_model_arg(args.draft_model),
+            "num_speculative_tokens": k,
+        }
+        engines["draft"] = LLM(model, speculative_config=spec, **common)
+    vocab = engines["plain"].engine.vocab_size
+    rows, results = [], []
+    for workload in args.workloads.split(","):
+        for c in levels:
+            if workload == "copy":
+                prompts = copy_prompts(engines["plain"], c)
+                params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+            else:
+                rng = np.random.default_rng(c)
+                prompts = rng.integers(3, vocab, (c, args.random_prompt_len)).tolist()
+                params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+            for llm in engines.values():
+                timed(llm, prompts, params)  # warm-up: compiles this shape's programs
+            runs = {name: [] for name in engines}
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    runs[name].append(timed(llm, prompts, params))
+            want = runs["plain"][0][3]
+            for name in engines:
+                if any(r[3] != want for r in runs[name]):
+                    raise RuntimeError(f"{name} changed the outputs of {workload} x{c}")
+            base = statistics.median(r[0] for r in runs["plain"])
+            for name, llm in engines.items():
+                tpot = statistics.median(r[0] for r in runs[name])
+                tps = statistics.median(r[1] for r in runs[name])
+                stats = llm.engine.spec_decode_stats
+                accept = "" if stats is None else f"{stats.acceptance_rate:.2f}"
+                length = "" if stats is None else f"{stats.mean_acceptance_length:.2f}"
+                rows.append(
+                    [
+                        workload,
+                        c,
+                        name,
+                        f"{tpot * 1e3:.1f}",
+                        f"{base / tpot:.2f}x",
+                        f"{tps:.1f}",
+                        accept,
+                        length,
+                    ]
+                )
+                results.append(
+                    dict(
+                        workload=workload,
+                        concurrency=c,
+                        engine=name,
+                        tpot_ms=tpot * 1e3,
+                        speedup=base / tpot,
+                        output_tok_s=tps,
+                        output_tokens=runs[name][0][2],
+                        acceptance_rate=None if stats is None else stats.acceptance_rate,
+                        mean_acceptance_length=None if stats is None else stats.mean_acceptance_length,
+                    )
+                )
+    print_table(
+        ["workload", "conc", "engine", "TPOT ms", "TPOT gain", "out tok/s", "accept", "mean len"], rows
+    )
+    print("(acceptance: the engine's counters since it started, all workloads so far)")
+    print(UNDER_LOAD)
+    write_json("speculative", {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The engine's side of speculative decoding: which requests get drafts before a step, and what a
+verified step taught about each (acceptance, back-off, the counters).
+
+Drafts go on ``Request.spec_token_ids`` for one schedule: the scheduler gives such a decoding request
+its last token plus the drafts as query tokens, the batch builder adds a sampled row per draft, the
+output processor keeps the accepted prefix (``rejection``) and the scheduler rolls the rest back.
+A request gets drafts only when all its tokens are on the host (the step before was taken in) and its
+sampler inputs are the same at every position (``Request.multi_step``: no penalties, logit bias,
+min_tokens or grammar, not a beam): its verifying rows are then plain rows of the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.spec_decode.metrics import SpecDecodingStats
+from jaxpaged.speculative_config import SpeculativeConfig
+
+ACCEPTANCE_WINDOW = 16
+"""Drafted tokens over which a request's acceptance rate is judged (``min_acceptance_rate``)."""
+
+
+class Proposer(Protocol):
+    def propose_many(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """At most ``ks[i]`` draft tokens to follow each request's tokens."""
+        ...
+
+    def has_drafts(self, requests: Sequence[Request]) -> bool:
+        """Whether some request would likely get drafts (judged on the tokens the host has)."""
+        ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+class Speculator:
+    """Owns each request's speculation state (its window of drafted/accepted tokens and its back-off)
+    and the engine-wide ``SpecDecodingStats``."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int):
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodingStats()
+        self.wants_sync = False
+        """The next step should run synchronously and verify drafts (some request would get some)."""
+        self._window: dict[str, list[int]] = {}
+        """Request id -> [drafted, accepted, steps to sit out] of its current window."""
+        self._drafted: list[Request] = []
+
+    def _draft_room(self, r: Request) -> int:
+        """Drafts ``r`` may take now: 0 unless it is a plain decode with all its tokens on the host and
+        no back-off to sit out; never past its last output token or ``max_model_len``."""
+        if (
+            r.status is not RequestStatus.RUNNING
+            or not r.multi_step
+            or r.grammar is not None
+            or r.pending_forks
+            or r.num_output_placeholders
+            or r.num_computed_tokens != r.num_tokens - 1
+        ):
+            return 0
+        if self._sits_out(r):
+            return 0
+        left = r.max_tokens - len(r.output_token_ids) - 1  # the step samples one more token besides
+        return max(0, min(self.config.num_speculative_tokens, left, self.max_model_len - r.num_tokens))
+
+    def _sits_out(self, r: Request) -> bool:
+        """Whether ``r`` sits this step out (its back-off), counting the step."""
+        window = self._window.get(r.request_id)
+        if window is None or not window[2]:
+            return False
+        window[2] -= 1
+        return True
+
+    def _by_batch_size(self, running: Sequence[Request]) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or len(running) < limit
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Drafts for the running requests that may take some (``spec_token_ids``), before a schedule."""
+        self._drafted = []
+        if not self._by_batch_size(running):
+            self.wants_sync = False
+            return
+        reqs, ks = [], []
+        for r in running:
+            k = self._draft_room(r)
+            if k:
+                reqs.append(r)
+                ks.append(k)
+        drafts = self.proposer.propose_many(reqs, ks) if reqs else []
+        for r, d in zip(reqs, drafts):
+            if d:
+                r.spec_token_ids = d
+                self._drafted.append(r)
+        self.wants_sync = bool(self._drafted)
+
+    def probe(self, running: Sequence[Request]) -> None:
+        """While steps run ahead (async scheduling, the last tokens in flight): whether the next step
+        should wait and speculate, judged on the tokens the host has."""
+        if not self._by_batch_size(running):
+            self.wants_sync = False
+            return
+        reqs = []
+        for r in running:
+            if (
+                r.status is RequestStatus.RUNNING
+                and r.multi_step
+                and r.grammar is None
+                and not r.pending_forks
+                and len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens - 1
+                and not self._sits_out(r)
+            ):
+                reqs.append(r)
+        self.wants_sync = bool(reqs) and self.proposer.has_drafts(reqs)
+
+    def clear_drafts(self) -> None:
+        """Take the drafts back once the schedule has read them (a preempted request must not keep any)."""
+        for r in self._drafted:
+            r.spec_token_ids = ()
+        self._drafted = []
+
+    def record(self, r: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """A verified row of ``r``: its counters, and a back-off when its window's acceptance was low."""
+        self.stats.observe(num_draft_tokens, num_accepted)
+        r.num_spec_draft_tokens += num_draft_tokens
+        r.num_spec_accepted_tokens += num_accepted
+        r.num_spec_verifications += 1
+        window = self._window.setdefault(r.request_id, [0, 0, 0])
+        window[0] += num_draft_tokens
+        window[1] += num_accepted
+        if window[0] >= ACCEPTANCE_WINDOW:
+            low = window[1] < self.config.min_acceptance_rate * window[0]
+            window[:] = [0, 0, ACCEPTANCE_WINDOW if low else 0]
+
+    def forget_many(self, request_ids: Sequence[str]) -> None:
+        """Drop the state of requests that left the scheduler."""
+        for request_id in request_ids:
+            self._window.pop(request_id, None)
+            self.proposer.forget(request_id)
