@@ -198,7 +198,10 @@ class LLMEngine(EngineBase):
         spec = self.config.speculative
         if spec.method == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        draft = LLMEngine(draft_engine_config(self.config, self.cache_info.num_blocks, self.max_model_len), devices=group[:1])
+        draft = LLMEngine(
+            draft_engine_config(self.config, self.cache_info.num_blocks, self.max_model_len),
+            devices=group[:1],
+        )
         return DraftModelProposer(draft, self.tokenizer, self.vocab_size)
 
     @classmethod
