@@ -21,14 +21,14 @@ import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, resolve_model_arg, write_json
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from jaxpaged import batch_builder
+from jaxpaged import sampling_inputs
 
 REGEX = "[a-z ,.]+"
 
 
 def timed_fill() -> list[float]:
     """Wrap the runner's bitmask fill; returns the list its calls' seconds are appended to."""
-    seconds, fill = [], batch_builder.fill_bitmask
+    seconds, fill = [], sampling_inputs.fill_bitmask
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -36,7 +36,7 @@ def timed_fill() -> list[float]:
         seconds.append(time.perf_counter() - t0)
         return out
 
-    batch_builder.fill_bitmask = timed
+    sampling_inputs.fill_bitmask = timed
     return seconds
 
 

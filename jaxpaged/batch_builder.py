@@ -15,22 +15,21 @@ import numpy as np
 
 from jaxpaged.kernels import AttentionMetadata, build_prefill_tiles
 from jaxpaged.kernels.metadata import num_prefill_tiles
+from jaxpaged.array_utils import padded
 from jaxpaged.math_utils import cdiv, pow2_bucket
 from jaxpaged.request import Request
 from jaxpaged.sampler import SamplerFlags, SamplingTensors
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_inputs import build_sampling_tensors
 from jaxpaged.scheduler_output import SchedulerOutput
 from jaxpaged.sequence_slots import SequenceSlots
 from jaxpaged.step_batch import InputLayout, StepBatch
 from jaxpaged.step_programs import packed_inputs, packed_offsets
-from jaxpaged.structured_outputs import fill_bitmask
 
 PREFILL_TILE = 64
 # Bucket floors: padding a small batch up to these costs little and saves compiled programs.
 MIN_TOKENS, MIN_CONTEXT, MIN_TILES = 8, 256, 4
-# Floors of the compact sampling lists: (row, token) pairs for penalties and for bias/masks,
-# and prompt positions scored for prompt logprobs.
-MIN_PENALTY_PAIRS, MIN_BIAS_ENTRIES, MIN_PROMPT_POSITIONS = 256, 16, 16
+# Floor of the prompt positions scored for prompt logprobs.
+MIN_PROMPT_POSITIONS = 16
 _PAST_IN_FLIGHT = (
     "a step needs token ids that neither the host nor the previous step's samples hold (the "
     "engine scheduled past an in-flight step)"
@@ -46,54 +45,6 @@ def _replaced(obj, **changes):
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__, **changes)
     return new
-
-
-def padded(values: np.ndarray, size: int, fill) -> np.ndarray:
-    """``values`` followed by ``fill`` up to ``size`` (a padding row index is out of range: dropped)."""
-    a = np.full(size, fill, values.dtype)
-    a[: len(values)] = values
-    return a
-
-
-def _penalty_counts(r: Request) -> dict[int, int]:
-    """The request's penalty pairs, token -> output count, brought up to date with its new output
-    tokens: kept on the request, so a step costs O(new tokens), not O(prompt + output)."""
-    if r.penalty_counts is None:
-        with_prompt = r.sampling_params.repetition_penalty != 1.0
-        r.penalty_counts = dict.fromkeys(r.prompt_token_ids, 0) if with_prompt else {}
-    counts = r.penalty_counts
-    for t in r.output_token_ids[r.num_penalty_counted :]:
-        counts[t] = counts.get(t, 0) + 1
-    r.num_penalty_counted = r.num_output_tokens
-    return counts
-
-
-def _host_lists(r: Request) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict[int, float]]:
-    """A sequence's per-step sampler lists: its penalty (tokens, counts), if it has penalties, and its
-    logit bias with the ``min_tokens`` mask."""
-    sp = r.sampling_params
-    penalties = None
-    if sp.needs_penalties:
-        counts = _penalty_counts(r)
-        penalties = (
-            np.fromiter(counts.keys(), np.int32, len(counts)),
-            np.fromiter(counts.values(), np.float32, len(counts)),
-        )
-    bias = dict(sp.logit_bias)
-    # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
-    if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
-        # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
-        masked = set(sp.stop_token_ids)
-        if r.eos_token_id is not None and not sp.ignore_eos:
-            masked.add(r.eos_token_id)
-        bias.update(dict.fromkeys(masked, -np.inf))
-    return penalties, bias
-
-
-def _logprobs_width(n: int) -> int:
-    """Top logprobs computed for the batch: none beyond the chosen token's, or the most allowed
-    (two variants only: a top-20 costs little more than a top-1)."""
-    return 0 if n == 0 else MAX_LOGPROBS
 
 
 class BatchBuilder:
@@ -487,72 +438,5 @@ class BatchBuilder:
         S_b: int,
         prompt_widths: list[int],
     ) -> tuple[SamplingTensors, SamplerFlags]:
-        """Per-row parameters gathered from the sequences' slots, the compact penalty and bias lists
-        and the grammar bitmask (built only for the sequences that have them), and the flags of the
-        batch. A sequence whose lists fail to build goes to ``SequenceSlots.failed`` (one request's
-        failure, not the step's)."""
-        st = self.slots
-        f32 = np.float32
-        pen_rows, pen_tokens, pen_counts = [], [], []
-        bias_rows, bias_tokens, bias_values = [], [], []
-        constrained = []
-        for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
-            r = seqs[i]
-            try:
-                penalties, bias = _host_lists(r)
-            except Exception as e:  # this request's failure: its row runs without its lists
-                st.failed[r.request_id] = e
-                continue
-            if r.grammar is not None:
-                constrained.append((r.grammar, i))
-            if penalties is not None:
-                tokens, counts = penalties
-                pen_rows.append(np.full(len(tokens), i, np.int32))
-                pen_tokens.append(tokens)
-                pen_counts.append(counts)
-            if bias:
-                bias_rows += [i] * len(bias)
-                bias_tokens += bias.keys()
-                bias_values += bias.values()
-        width = max([int(st.logprobs[slots].max(initial=-1)), *prompt_widths])
-        n_pen = sum(len(a) for a in pen_rows)
-        Np = 0 if not pen_rows else pow2_bucket(n_pen, floor=MIN_PENALTY_PAIRS)
-        Nb = 0 if not bias_rows else pow2_bucket(len(bias_rows), floor=MIN_BIAS_ENTRIES)
-        cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-        seeds = padded(st.seed[slots], S_b, 0)
-        temperature, top_k, top_p = (
-            padded(st.temperature[slots], S_b, 0.0),
-            padded(st.top_k[slots], S_b, 0),
-            padded(st.top_p[slots], S_b, 1.0),
-        )
-        sampling = SamplingTensors(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=padded(st.min_p[slots], S_b, 0.0),
-            presence_penalty=padded(st.presence[slots], S_b, 0.0),
-            frequency_penalty=padded(st.frequency[slots], S_b, 0.0),
-            repetition_penalty=padded(st.repetition[slots], S_b, 1.0),
-            seed_lo=(seeds & 0xFFFFFFFF).astype(np.uint32),
-            seed_hi=(seeds >> 32).astype(np.uint32),
-            position=padded(positions, S_b, 0),
-            penalty_rows=padded(cat(pen_rows, np.int32), Np, S_b),
-            penalty_tokens=padded(cat(pen_tokens, np.int32), Np, 0),
-            penalty_counts=padded(cat(pen_counts, f32), Np, 0.0),
-            bias_rows=padded(np.asarray(bias_rows, np.int32), Nb, S_b),
-            bias_tokens=padded(np.asarray(bias_tokens, np.int32), Nb, 0),
-            bias_values=padded(np.asarray(bias_values, f32), Nb, 0.0),
-        )
-        if constrained:
-            sampling.allowed = fill_bitmask(constrained, S_b, self.vocab_size)
-        sampled = temperature > 0
-        flags = SamplerFlags(
-            all_greedy=not sampled.any(),
-            penalties=bool(pen_rows),
-            bias=bool(bias_rows),
-            top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
-            chosen_logprobs=bool(st.chosen_logprobs[slots].any()),
-            num_logprobs=-1 if width < 0 else _logprobs_width(width),
-            bitmask=bool(constrained),
-        )
-        return sampling, flags
+        """``build_sampling_tensors`` over this builder's persistent batch."""
+        return build_sampling_tensors(self.slots, seqs, slots, positions, S_b, prompt_widths, self.vocab_size)

@@ -232,8 +232,8 @@ class EngineArgs:
         '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2} '
         "proposes k tokens copied from where the latest tokens occurred before in the prompt or output; "
         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": k} has a smaller model with the '
-        "same tokenizer propose them. One step verifies them all; outputs are unchanged (greedy and seeded "
-        "requests: token for token). Optional keys: disable_by_batch_size (no proposals while that many "
+        "same tokenizer propose them. One step verifies them all; each token is the one the plain engine samples "
+        "from the same logits. Optional keys: disable_by_batch_size (no proposals while that many "
         "requests run), min_acceptance_rate (a request accepting fewer drafts than this backs off).",
     )
 

@@ -1,4 +1,5 @@
-"""The small arithmetic every module repeats: ceiling division, power-of-two shape buckets, the seed width."""
+"""The small arithmetic every module repeats: ceiling division, power-of-two shape buckets, the seed width.
+Pure Python: the scheduler and the block manager import it."""
 
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged import parallel
-from jaxpaged.batch_builder import GREEDY, BatchBuilder, padded
+from jaxpaged.batch_builder import GREEDY, BatchBuilder
 from jaxpaged.block_table import BlockTable
 from jaxpaged.kernels import AttentionMetadata, gathers_pages
+from jaxpaged.array_utils import padded
 from jaxpaged.math_utils import cdiv, pow2_bucket
 from jaxpaged.models.registry import BuiltModel
 from jaxpaged.sampler import SamplerFlags, SamplerOutput, no_logprobs

@@ -23,18 +23,9 @@ request that shares a partly filled block copies it on its first write (``blocks
 A running request can also be *idle*: all its tokens computed while the engine waits for the
 rest of its beam group; idle requests are preempted first when nothing else can run.
 
-Fair share: the prompts of one API request are queued together (``add_requests``) and take turns
-with other requests' (start-time fair queueing): each gets a start tag, the virtual time (the largest
-tag admitted so far) plus the sequences of the group's prompts before it, and waiting requests run in
-tag order, resumed (preempted) ones first. A request of 400 prompts then runs one prompt (of ``n``
-sequences) per turn, and the request sent after it runs on the next free slot instead of after all
-400. Single-prompt requests all get the current virtual time: first come, first served. And when
-every running slot is taken and the next waiting request is a new one whose API request has nothing
-running, the newest running requests of the API request running the most (keeping it one) are
-preempted to make room, queued right behind it: it starts in the next step, not once one of them
-finishes (round-robin alone leaves it waiting for a slot). With the ``priority`` scheduling policy (vLLM's) the priority
-comes first (lower sooner; such preemption only takes requests of a priority no higher), and
-``running`` is kept in priority order, so the lowest-priority request is the one preempted for KV blocks.
+Fair share: the prompts of one API request take turns with other requests' (start-time fair queueing),
+and a new API request may preempt running requests of one running many to start at once
+(``jaxpaged/fair_share.py``).
 
 Multi-step scheduling (``num_scheduler_steps`` > 1): ``schedule`` first tries a group of several decode
 steps per running request (``jaxpaged/multi_step_plan.py``).
@@ -43,11 +34,12 @@ steps per running request (``jaxpaged/multi_step_plan.py``).
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.engine_base import request_id_in_use
+from jaxpaged.fair_share import newcomer_victims
 from jaxpaged.kv_cache_manager import KVCacheManager
 from jaxpaged.multi_step_plan import plan_steps
 from jaxpaged.request import Request, RequestStatus
@@ -412,36 +404,10 @@ class Scheduler:
         return out
 
     def _victims_for_newcomer(self) -> list[Request]:
-        """The running requests to preempt so that the next waiting request starts, when it is new,
-        every running slot is taken and its API request has nothing running (else none; a scan of
-        ``running`` only then): the newest of the API requests running the most, keeping each one
-        running and taking none of a higher priority; none if that cannot free enough slots."""
-        if (
-            not self._num_grouped
-            or not self.waiting
-            or len(self.running) + self._num_reserved() < self.config.max_num_seqs
-        ):
+        """``newcomer_victims`` of the queues, when some API request runs several sequences (else none)."""
+        if not self._num_grouped or not self.waiting:
             return []
-        head = self.waiting[0]
-        if head.status is not RequestStatus.WAITING or (
-            head.queue_group and any(r.queue_group == head.queue_group for r in self.running)
-        ):
-            return []
-        need = 1 + head.reserved_seqs - (self.config.max_num_seqs - len(self.running) - self._num_reserved())
-        candidates = [
-            r for r in self.running if r.queue_group and r.priority >= head.priority and not r.reserved_seqs
-        ]
-        counts = Counter(r.queue_group for r in candidates)
-        if need > sum(n - 1 for n in counts.values()):
-            return []
-        victims = []
-        for _ in range(need):
-            group = max(counts, key=counts.__getitem__)
-            counts[group] -= 1
-            victims.append(
-                next(r for r in reversed(candidates) if r.queue_group == group and r not in victims)
-            )
-        return victims
+        return newcomer_victims(self.running, self.waiting[0], self.config.max_num_seqs, self._num_reserved())
 
     def _preempt_for(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request``'s blocks can be allocated (and

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxpaged import LLM, RequestOutputKind, SamplingParams, batch_builder
+from jaxpaged import LLM, RequestOutputKind, SamplingParams, sampling_inputs
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.sequence_slots import SequenceSlots
 from tiny_models import hf_greedy
@@ -148,7 +148,7 @@ INJECTIONS = {
     ),
     "penalty lists": (
         lambda mp: mp.setattr(
-            batch_builder, "_host_lists", _fails_for_bad(batch_builder._host_lists, after=2)
+            sampling_inputs, "_host_lists", _fails_for_bad(sampling_inputs._host_lists, after=2)
         ),
         dict(repetition_penalty=1.3),
     ),

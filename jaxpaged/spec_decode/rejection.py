@@ -11,7 +11,8 @@ d with probability min(1, p(d) / q(d)) = p(d) and on rejection samples norm(max(
 without d, renormalized. Drawing y ~ p and keeping d when y = d realizes exactly that: P(keep) = p(d),
 and given y != d, y is distributed as p restricted to the other tokens. So every emitted token has the
 target's distribution, and since y is the draw the plain engine makes at that position (the seed folded
-with the position), a seeded or greedy request emits the same tokens with and without speculation.
+with the position), a seeded or greedy request emits the same tokens with and without speculation, as far
+as the logits are the same (a row of k + 1 query tokens may round differently in the last bits).
 """
 
 from __future__ import annotations
