@@ -36,9 +36,9 @@ def _stop_prefix_len(text: str, stops: list[str], end: int) -> int:
     back while streaming: the next tokens may complete the stop string, and it must never be sent)."""
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, end), best, -1):
-            if text.endswith(stop[:k], 0, end):
-                best = k
+        for length in range(min(len(stop) - 1, end), best, -1):
+            if text.endswith(stop[:length], 0, end):
+                best = length
                 break
     return best
 
@@ -174,7 +174,7 @@ class OutputProcessor:
         tokens ends it, takes them all at once (a streamed one: detokenized at once, as one delta);
         the others go token by token through ``_append_samples``. Returns how many tokens were a
         sample's first, or were dropped (as ``_append_samples``)."""
-        k = out.num_steps
+        num_steps = out.num_steps
         num_first = 0
         plain = sampled.logprobs.size == 0
         columns = sampled.tokens.T.tolist()
@@ -184,7 +184,7 @@ class OutputProcessor:
             ids, stream = req.output_token_ids, req.stream_stop_ids
             stops = req.final_stop_ids if stream is None else stream
             if plain and stops is not None and (req.status is running or not req.is_finished):
-                new = columns[j][:n] if n < k else columns[j]
+                new = columns[j][:n] if n < num_steps else columns[j]
                 if len(ids) + n < req.max_tokens and stops.isdisjoint(new):
                     if not ids:
                         req.first_token_time = now
@@ -197,14 +197,14 @@ class OutputProcessor:
                         except Exception as e:
                             self._fail()(req.request_id, e)
                     continue
-            rest.extend(range(j * k, j * k + n))
+            rest.extend(range(j * num_steps, j * num_steps + n))
         if rest:
-            # Row-major: entry j * k + t is row j's sample of step t.
+            # Row-major: entry j * num_steps + t is row j's sample of step t.
             flat = jax.tree_util.tree_map(
                 lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), sampled
             )
             return num_first + self._append_samples(
-                ((i, out.requests[i // k]) for i in rest), flat, now, touched, searches
+                ((i, out.requests[i // num_steps]) for i in rest), flat, now, touched, searches
             )
         return num_first
 
@@ -229,10 +229,10 @@ class OutputProcessor:
                 if beam_of:
                     search = beam_of.get(req.request_id)
                     if search is not None:
-                        k2 = 2 * search.params.beam_width
+                        num_candidates = 2 * search.params.beam_width
                         search.pending[req.request_id] = (
-                            sampled.top_ids[i, :k2].tolist(),
-                            sampled.top_logprobs[i, :k2].tolist(),
+                            sampled.top_ids[i, :num_candidates].tolist(),
+                            sampled.top_logprobs[i, :num_candidates].tolist(),
                         )
                         req.waiting_for_group = True
                         searches[search.root.request_id] = search
@@ -292,15 +292,15 @@ class OutputProcessor:
         p = res.prompt
         for j, row in enumerate(res.prompt_rows.tolist()):
             req = reqs[row]
-            k = req.sampling_params.prompt_logprobs
+            width = req.sampling_params.prompt_logprobs
             try:
                 req.prompt_logprobs.append(
                     self._token_logprobs(
                         int(p.tokens[j]),
                         float(p.logprobs[j]),
                         int(p.ranks[j]),
-                        p.top_ids[j, :k],
-                        p.top_logprobs[j, :k],
+                        p.top_ids[j, :width],
+                        p.top_logprobs[j, :width],
                     )
                 )
             except Exception as e:

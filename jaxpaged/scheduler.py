@@ -233,14 +233,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks."""
-        k = self.config.num_scheduler_steps
+        num_steps = self.config.num_scheduler_steps
         victims = self._victims_for_newcomer()
         if (
-            k > 1
+            num_steps > 1
             and not victims
             and (not self.waiting or len(self.running) + self._num_reserved() >= self.config.max_num_seqs)
         ):
-            out = plan_steps(self.running, self.kv_cache_manager, k, self.config.max_num_batched_tokens)
+            out = plan_steps(
+                self.running, self.kv_cache_manager, num_steps, self.config.max_num_batched_tokens
+            )
             if out is not None:
                 return self._close(out)
         out = SchedulerOutput(requests=[], num_new_tokens=[], start_positions=[], preempted=[])
@@ -424,10 +426,10 @@ class Scheduler:
         """Preempt the newest idle running request (all its tokens computed, waiting for the
         engine: its beam group), queueing it right behind ``waiting[behind]``, the request it makes
         room for; False if there is none. A request with a token in flight is not idle."""
-        for k in range(len(self.running) - 1, -1, -1):
-            r = self.running[k]
+        for i in range(len(self.running) - 1, -1, -1):
+            r = self.running[i]
             if r.num_computed_tokens >= r.num_tokens_with_placeholders and r.block_ids:
-                del self.running[k]
+                del self.running[i]
                 self._preempt(r, out, at=behind + 1)
                 return True
         return False
