@@ -129,6 +129,16 @@ class Job:
         completion = sum(sum(s.num_output_tokens.values()) for s in self.streams)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    def usage_chunk(
+        self, include: bool, created: int, chunk_type: Callable[..., Any]
+    ) -> Callable[[], Any] | None:
+        """A stream's closing usage-only chunk, built by ``chunk_type`` when called; None unless ``include``."""
+        if not include:
+            return None
+        return lambda: chunk_type(
+            id=self.request_id, created=created, model=self.model, choices=[], usage=self.usage
+        )
+
 
 @dataclass(frozen=True)
 class RequestLog:

@@ -108,15 +108,7 @@ class ChatServing(ServingBase):
 
     def _chat_events(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
-        usage = (
-            (
-                lambda: ChatCompletionChunk(
-                    id=job.request_id, created=created, model=job.model, choices=[], usage=job.usage
-                )
-            )
-            if body.include_usage_in_stream
-            else None
-        )
+        usage = job.usage_chunk(body.include_usage_in_stream, created, ChatCompletionChunk)
         return framed(self._chat_choices(job, body, created), usage)
 
     async def _chat_choices(self, job: Job, body: ChatCompletionRequest, created: int) -> AsyncIterator[str]:

@@ -88,15 +88,7 @@ class CompletionServing(ServingBase):
 
     def _completion_events(self, job: Job, body: CompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
-        usage = (
-            (
-                lambda: CompletionResponse(
-                    id=job.request_id, created=created, model=job.model, choices=[], usage=job.usage
-                )
-            )
-            if body.include_usage_in_stream
-            else None
-        )
+        usage = job.usage_chunk(body.include_usage_in_stream, created, CompletionResponse)
         return framed(self._completion_choices(job, body, created), usage)
 
     async def _completion_choices(
