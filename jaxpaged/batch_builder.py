@@ -196,6 +196,7 @@ class BatchBuilder:
             ),
             S_b,
             prompt_widths,
+            self._drafts_before(out, len(fork_rows)),
         )
         if all(out.samples):
             slots_state.last_sample_row[slots] = iota[:R]
@@ -236,6 +237,18 @@ class BatchBuilder:
         )
         self._steady = (slots, b) if steady else None
         return b
+
+    @staticmethod
+    def _drafts_before(out: SchedulerOutput, num_forks: int) -> list[list[int]]:
+        """For each sampled row (rows, forks, verifying rows), the drafts before the position it samples
+        (its penalty counts and ``min_tokens`` mask count them as output); empty without drafts."""
+        spec = out.spec_token_ids
+        if not spec:
+            return []
+        before = [spec.get(i, []) for i in range(len(out.requests))] + [[]] * num_forks
+        for i in sorted(spec):
+            before += [spec[i][:j] for j in range(len(spec[i]))]
+        return before
 
     @staticmethod
     def _verify_rows(out: SchedulerOutput, qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -417,6 +430,7 @@ class BatchBuilder:
         positions: np.ndarray,
         S_b: int,
         prompt_widths: list[int],
+        drafts_before: list[list[int]] = (),
     ) -> tuple[SamplingTensors, SamplerFlags]:
         """``sampling_tensors``, or for a batch of the same sequences as the previous one (the same
         slot array: ``SequenceSlots.slots`` reuses it) whose parameters are fixed (no per-step
@@ -425,7 +439,7 @@ class BatchBuilder:
         if cached is not None and cached[0] is slots and cached[1] == S_b and not prompt_widths:
             position = positions if len(positions) == S_b else padded(positions, S_b, 0)
             return _replaced(cached[2], position=position), cached[3]
-        sampling, flags = self.sampling_tensors(seqs, slots, positions, S_b, prompt_widths)
+        sampling, flags = self.sampling_tensors(seqs, slots, positions, S_b, prompt_widths, drafts_before)
         fixed = not prompt_widths and not self.slots.needs_host_lists[slots].any()
         self._sampling_cache = (slots, S_b, sampling, flags) if fixed else None
         return sampling, flags
@@ -437,6 +451,9 @@ class BatchBuilder:
         positions: np.ndarray,
         S_b: int,
         prompt_widths: list[int],
+        drafts_before: list[list[int]] = (),
     ) -> tuple[SamplingTensors, SamplerFlags]:
         """``build_sampling_tensors`` over this builder's persistent batch."""
-        return build_sampling_tensors(self.slots, seqs, slots, positions, S_b, prompt_widths, self.vocab_size)
+        return build_sampling_tensors(
+            self.slots, seqs, slots, positions, S_b, prompt_widths, self.vocab_size, drafts_before
+        )

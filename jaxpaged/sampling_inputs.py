@@ -4,6 +4,8 @@ and the batch's ``SamplerFlags``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from jaxpaged.array_utils import padded
@@ -31,20 +33,27 @@ def _penalty_counts(r: Request) -> dict[int, int]:
     return counts
 
 
-def _host_lists(r: Request) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict[int, float]]:
+def _host_lists(
+    r: Request, drafts: Sequence[int] = ()
+) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict[int, float]]:
     """A sequence's per-step sampler lists: its penalty (tokens, counts), if it has penalties, and its
-    logit bias with the ``min_tokens`` mask."""
+    logit bias with the ``min_tokens`` mask; for a speculative row, as if ``drafts`` (the drafts before the
+    position it samples) were already output tokens."""
     sp = r.sampling_params
     penalties = None
     if sp.needs_penalties:
         counts = _penalty_counts(r)
+        if drafts:
+            counts = dict(counts)
+            for t in drafts:
+                counts[t] = counts.get(t, 0) + 1
         penalties = (
             np.fromiter(counts.keys(), np.int32, len(counts)),
             np.fromiter(counts.values(), np.float32, len(counts)),
         )
     bias = dict(sp.logit_bias)
     # Tokens before the one this row samples: its own and earlier in-flight ones are placeholders.
-    if r.num_output_tokens + r.num_output_placeholders - 1 < sp.min_tokens:
+    if r.num_output_tokens + r.num_output_placeholders - 1 + len(drafts) < sp.min_tokens:
         # vLLM's min_tokens: EOS (unless ignored) and the stop ids cannot be sampled yet.
         masked = set(sp.stop_token_ids)
         if r.eos_token_id is not None and not sp.ignore_eos:
@@ -67,11 +76,13 @@ def build_sampling_tensors(
     S_b: int,
     prompt_widths: list[int],
     vocab_size: int,
+    drafts_before: Sequence[Sequence[int]] = (),
 ) -> tuple[SamplingTensors, SamplerFlags]:
     """Per-row parameters gathered from the sequences' slots (``seqs[i]`` at slot ``slots[i]``, sampling the
     token at ``positions[i]``), padded to ``S_b`` rows, the compact penalty and bias lists and the grammar
     bitmask (built only for the sequences that have them), and the flags of the batch. A sequence whose lists
-    fail to build goes to ``SequenceSlots.failed`` (one request's failure, not the step's)."""
+    fail to build goes to ``SequenceSlots.failed`` (one request's failure, not the step's). ``drafts_before``
+    (speculative decoding, else empty): for each row, the drafts before the position it samples."""
     f32 = np.float32
     pen_rows, pen_tokens, pen_counts = [], [], []
     bias_rows, bias_tokens, bias_values = [], [], []
@@ -79,7 +90,7 @@ def build_sampling_tensors(
     for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
         r = seqs[i]
         try:
-            penalties, bias = _host_lists(r)
+            penalties, bias = _host_lists(r, drafts_before[i] if drafts_before else ())
         except Exception as e:  # this request's failure: its row runs without its lists
             st.failed[r.request_id] = e
             continue

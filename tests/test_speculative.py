@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, LLMEngine, SamplingParams
+from jaxpaged import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from jaxpaged.async_engine import AsyncLLMEngine
 from jaxpaged.cli import build_parser, engine_args_from
 from jaxpaged.server import build_app
@@ -117,23 +117,50 @@ def test_ngram_under_preemption_prefix_caching_chunked_prefill_and_n(model, plai
     assert want[1] == run(plain, prompts, greedy)
 
 
-def test_requests_that_speculation_skips_still_decode(model, plain):
-    """Penalties, min_tokens and stop tokens run as in the plain engine (the first two are not
-    speculated; a stop among accepted drafts ends the request there)."""
+def test_penalties_bias_min_tokens_and_stops_under_speculation(model, plain):
+    """Requests with penalties, logit bias and min_tokens verify drafts too, their lists counting the drafts
+    before each position as output, and a stop token among accepted drafts ends the request there: the plain
+    engine's tokens. A grammar-constrained request runs beside them without drafts."""
     path, _ = model
-    prompts = repetitive_prompts(4, seed=4)
-    first = run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0][
-        0
-    ]
+    prompts = repetitive_prompts(6, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = run(plain, prompts[:1], greedy)[0][0]
+    eos = plain.get_tokenizer().eos_token_id
     params = [
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[first[10]]),
-        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.05, ignore_eos=True),
+        SamplingParams(
+            temperature=0.5,
+            seed=3,
+            max_tokens=MAX_TOKENS,
+            presence_penalty=0.2,
+            frequency_penalty=0.1,
+            ignore_eos=True,
+        ),
+        # EOS boosted to the top: only the min_tokens mask holds it back, for exactly 26 tokens (the tiny
+        # model's outputs fall into a cycle of about 20 tokens, which the lookup then proposes).
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=26, logit_bias={eos: 100.0}),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logit_bias={first[5]: -100.0}, ignore_eos=True),
+        # A stop token held back by min_tokens until the cycle's second pass, among accepted drafts.
+        SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, min_tokens=24, stop_token_ids=[first[5]], ignore_eos=True
+        ),
+        SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
+        ),
     ]
+    batch = [prompts[1], prompts[2], prompts[3], prompts[4], prompts[0], prompts[5]]
     llm = LLM(str(path), speculative_config=NGRAM, **ENGINE)
-    batch = [prompts[1], prompts[2], prompts[0], prompts[3]]
-    assert run(llm, batch, params) == run(plain, batch, params)
+    outs = llm.generate(batch, params, use_tqdm=False)
+    want = plain.generate(batch, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in want]
+    assert len(outs[2].outputs[0].token_ids) == 27 and outs[2].outputs[0].token_ids[-1] == eos
+    assert (
+        outs[4].outputs[0].token_ids[-1] == first[5] and 24 < len(outs[4].outputs[0].token_ids) < MAX_TOKENS
+    )
+    drafted = [o.metrics.get("spec_decode_num_draft_tokens", 0) for o in outs]
+    assert all(d > 0 for d in drafted[:5]), drafted
+    assert drafted[5] == 0
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
 
 
 def test_draft_model_greedy_matches_hf(model, tiny_model_factory):

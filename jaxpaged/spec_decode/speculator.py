@@ -4,9 +4,10 @@ verified step taught about each (acceptance, back-off, the counters).
 Drafts go on ``Request.spec_token_ids`` for one schedule: the scheduler gives such a decoding request
 its last token plus the drafts as query tokens, the batch builder adds a sampled row per draft, the
 output processor keeps the accepted prefix (``rejection``) and the scheduler rolls the rest back.
-A request gets drafts only when all its tokens are on the host (the step before was taken in) and its
-sampler inputs are the same at every position (``Request.multi_step``: no penalties, logit bias,
-min_tokens or grammar, not a beam): its verifying rows are then plain rows of the sampler.
+A request gets drafts only when all its tokens are on the host (the step before was taken in), it has no
+grammar (its mask at a draft's position would need the matcher advanced over the drafts before) and it is
+not a beam (``speculates``). Each verifying row samples with the request's parameters; penalty counts and
+the ``min_tokens`` mask count the drafts before its position as output (``sampling_inputs``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from jaxpaged.speculative_config import SpeculativeConfig
 
 ACCEPTANCE_WINDOW = 16
 """Drafted tokens over which a request's acceptance rate is judged (``min_acceptance_rate``)."""
+
+
+def speculates(r: Request) -> bool:
+    """Whether ``r`` may verify drafts: not a beam (its sampler inputs are fixed: ``multi_step``) nor a
+    sample with a grammar (those with per-step lists but no grammar may)."""
+    return r.multi_step or (r.sampling_params.needs_step_lists and r.grammar is None)
 
 
 class Proposer(Protocol):
@@ -53,8 +60,7 @@ class Speculator:
         no back-off to sit out; never past its last output token or ``max_model_len``."""
         if (
             r.status is not RequestStatus.RUNNING
-            or not r.multi_step
-            or r.grammar is not None
+            or not speculates(r)
             or r.pending_forks
             or r.num_output_placeholders
             or r.num_computed_tokens != r.num_tokens - 1
@@ -106,8 +112,7 @@ class Speculator:
         for r in running:
             if (
                 r.status is RequestStatus.RUNNING
-                and r.multi_step
-                and r.grammar is None
+                and speculates(r)
                 and not r.pending_forks
                 and len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens - 1
                 and not self._sits_out(r)
