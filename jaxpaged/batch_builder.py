@@ -239,13 +239,14 @@ class BatchBuilder:
         return b
 
     @staticmethod
-    def _drafts_before(out: SchedulerOutput, num_forks: int) -> list[list[int]]:
-        """For each sampled row (rows, forks, verifying rows), the drafts before the position it samples
-        (its penalty counts and ``min_tokens`` mask count them as output); empty without drafts."""
+    def _drafts_before(out: SchedulerOutput, num_forks: int) -> list[list[int] | None]:
+        """For each sampled row (rows, forks, verifying rows) of a step with drafts, the drafts before the
+        position it samples (its penalty counts, ``min_tokens`` mask and grammar state count them as output),
+        None for a row of a request without drafts; empty without drafts."""
         spec = out.spec_token_ids
         if not spec:
             return []
-        before = [spec.get(i, []) for i in range(len(out.requests))] + [[]] * num_forks
+        before = [spec.get(i) for i in range(len(out.requests))] + [None] * num_forks
         for i in sorted(spec):
             before += [spec[i][:j] for j in range(len(spec[i]))]
         return before
@@ -430,7 +431,7 @@ class BatchBuilder:
         positions: np.ndarray,
         S_b: int,
         prompt_widths: list[int],
-        drafts_before: list[list[int]] = (),
+        drafts_before: list[list[int] | None] = (),
     ) -> tuple[SamplingTensors, SamplerFlags]:
         """``sampling_tensors``, or for a batch of the same sequences as the previous one (the same
         slot array: ``SequenceSlots.slots`` reuses it) whose parameters are fixed (no per-step
@@ -451,7 +452,7 @@ class BatchBuilder:
         positions: np.ndarray,
         S_b: int,
         prompt_widths: list[int],
-        drafts_before: list[list[int]] = (),
+        drafts_before: list[list[int] | None] = (),
     ) -> tuple[SamplingTensors, SamplerFlags]:
         """``build_sampling_tensors`` over this builder's persistent batch."""
         return build_sampling_tensors(

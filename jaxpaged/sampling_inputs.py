@@ -76,25 +76,31 @@ def build_sampling_tensors(
     S_b: int,
     prompt_widths: list[int],
     vocab_size: int,
-    drafts_before: Sequence[Sequence[int]] = (),
+    drafts_before: Sequence[Sequence[int] | None] = (),
 ) -> tuple[SamplingTensors, SamplerFlags]:
     """Per-row parameters gathered from the sequences' slots (``seqs[i]`` at slot ``slots[i]``, sampling the
     token at ``positions[i]``), padded to ``S_b`` rows, the compact penalty and bias lists and the grammar
     bitmask (built only for the sequences that have them), and the flags of the batch. A sequence whose lists
     fail to build goes to ``SequenceSlots.failed`` (one request's failure, not the step's). ``drafts_before``
-    (speculative decoding, else empty): for each row, the drafts before the position it samples."""
+    (speculative decoding, else empty): for each row of a verifying request, the drafts before the position it
+    samples (None for the others); a constrained one's rows get its grammar's masks after those drafts."""
     f32 = np.float32
     pen_rows, pen_tokens, pen_counts = [], [], []
     bias_rows, bias_tokens, bias_values = [], [], []
     constrained = []
+    drafted: dict[str, tuple[Request, dict[int, int]]] = {}
+    """A verifying constrained request's rows, by the number of drafts before each."""
     for i in np.flatnonzero(st.needs_host_lists[slots]).tolist():
         r = seqs[i]
+        before = drafts_before[i] if drafts_before else None
         try:
-            penalties, bias = _host_lists(r, drafts_before[i] if drafts_before else ())
+            penalties, bias = _host_lists(r, before or ())
         except Exception as e:  # this request's failure: its row runs without its lists
             st.failed[r.request_id] = e
             continue
-        if r.grammar is not None:
+        if r.grammar is not None and before is not None:
+            drafted.setdefault(r.request_id, (r, {}))[1][len(before)] = i
+        elif r.grammar is not None:
             constrained.append((r.grammar, i))
         if penalties is not None:
             tokens, counts = penalties
@@ -134,8 +140,12 @@ def build_sampling_tensors(
         bias_tokens=padded(np.asarray(bias_tokens, np.int32), Nb, 0),
         bias_values=padded(np.asarray(bias_values, f32), Nb, 0.0),
     )
-    if constrained:
-        sampling.allowed = fill_bitmask(constrained, S_b, vocab_size)
+    if constrained or drafted:
+        groups = [
+            (r.grammar, [rows[j] for j in range(len(rows))], drafts_before[rows[len(rows) - 1]])
+            for r, rows in drafted.values()
+        ]
+        sampling.allowed = fill_bitmask(constrained, S_b, vocab_size, groups)
     sampled = temperature > 0
     flags = SamplerFlags(
         all_greedy=not sampled.any(),
@@ -144,6 +154,6 @@ def build_sampling_tensors(
         top_k_top_p=bool(((top_k > 0) | (top_p < 1.0))[sampled].any()),
         chosen_logprobs=bool(st.chosen_logprobs[slots].any()),
         num_logprobs=-1 if width < 0 else _logprobs_width(width),
-        bitmask=bool(constrained),
+        bitmask=bool(constrained or drafted),
     )
     return sampling, flags

@@ -54,6 +54,10 @@ class GrammarMatcher:
             self.error = self.matcher.get_error().partition("\n")[0] or f"token {token} is not allowed"
             logger.warning("the grammar refused token %d: %s", token, self.error)
 
+    def num_valid(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar would take from here (its state unchanged): 0 after an error."""
+        return 0 if self.error is not None else self.matcher.validate_tokens(list(tokens))
+
     @property
     def complete(self) -> bool:
         """The grammar is satisfied and allows nothing more but EOS."""
@@ -138,11 +142,27 @@ def _grammar(kind: str, text: str, disable_any_whitespace: bool, whitespace_patt
     return llguidance.grammar_from(kind, text)  # a choice's text is its JSON list
 
 
-def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], num_rows: int, vocab_size: int) -> np.ndarray:
+def fill_bitmask(
+    rows: Sequence[tuple[GrammarMatcher, int]],
+    num_rows: int,
+    vocab_size: int,
+    drafted: Sequence[tuple[GrammarMatcher, Sequence[int], Sequence[int]]] = (),
+) -> np.ndarray:
     """The packed bitmask ([num_rows, ceil(vocab_size / 32)] int32, the sampler's ``allowed``) of a batch:
-    each listed ``(matcher, row)`` gets the tokens its grammar allows next, every other row all tokens."""
-    mask = np.full((num_rows, rows[0][0].words), -1, np.int32)
-    llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for g, i in rows], mask)
+    each listed ``(matcher, row)`` gets the tokens its grammar allows next, every other row all tokens.
+    ``drafted`` (speculative decoding): ``(matcher, rows, drafts)``, ``rows[j]`` getting what the grammar
+    allows after ``drafts[:j]`` (one row more than drafts), the matcher's state unchanged."""
+    words = (rows[0] if rows else drafted[0])[0].words
+    mask = np.full((num_rows, words), -1, np.int32)
+    if rows:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for g, i in rows], mask)
+    if drafted:
+        # llguidance fills a drafted matcher's rows consecutively: fill a scratch array, then place them.
+        scratch = np.full((sum(len(r) for _, r, _ in drafted), words), -1, np.int32)
+        starts = np.cumsum([0] + [len(r) for _, r, _ in drafted[:-1]]).tolist()
+        entries = [(g.matcher, start, list(d)) for (g, _, d), start in zip(drafted, starts)]
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(_executor(), entries, scratch)
+        mask[np.concatenate([np.asarray(r, np.int64) for _, r, _ in drafted])] = scratch
     mask = np.ascontiguousarray(mask[:, : bitmask_words(vocab_size)])
     if vocab_size % 32:
         mask[:, -1] &= (1 << vocab_size % 32) - 1  # no bit past the model's vocabulary (the sampler's rule)

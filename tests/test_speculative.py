@@ -120,7 +120,7 @@ def test_ngram_under_preemption_prefix_caching_chunked_prefill_and_n(model, plai
 def test_penalties_bias_min_tokens_and_stops_under_speculation(model, plain):
     """Requests with penalties, logit bias and min_tokens verify drafts too, their lists counting the drafts
     before each position as output, and a stop token among accepted drafts ends the request there: the plain
-    engine's tokens. A grammar-constrained request runs beside them without drafts."""
+    engine's tokens."""
     path, _ = model
     prompts = repetitive_prompts(6, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -144,11 +144,8 @@ def test_penalties_bias_min_tokens_and_stops_under_speculation(model, plain):
         SamplingParams(
             temperature=0, max_tokens=MAX_TOKENS, min_tokens=24, stop_token_ids=[first[5]], ignore_eos=True
         ),
-        SamplingParams(
-            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
-        ),
     ]
-    batch = [prompts[1], prompts[2], prompts[3], prompts[4], prompts[0], prompts[5]]
+    batch = [prompts[1], prompts[2], prompts[3], prompts[4], prompts[0]]
     llm = LLM(str(path), speculative_config=NGRAM, **ENGINE)
     outs = llm.generate(batch, params, use_tqdm=False)
     want = plain.generate(batch, params, use_tqdm=False)
@@ -158,8 +155,28 @@ def test_penalties_bias_min_tokens_and_stops_under_speculation(model, plain):
         outs[4].outputs[0].token_ids[-1] == first[5] and 24 < len(outs[4].outputs[0].token_ids) < MAX_TOKENS
     )
     drafted = [o.metrics.get("spec_decode_num_draft_tokens", 0) for o in outs]
-    assert all(d > 0 for d in drafted[:5]), drafted
-    assert drafted[5] == 0
+    assert all(d > 0 for d in drafted), drafted
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
+
+
+def test_structured_outputs_under_speculation(model, plain):
+    """Constrained requests verify drafts too: drafts are cut where the grammar refuses one, and each verifying
+    row is masked by the grammar's state after the drafts before it; the plain engine's tokens."""
+    path, _ = model
+    prompts = repetitive_prompts(3, seed=9)
+    regex = lambda r: StructuredOutputsParams(regex=r)  # noqa: E731
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=regex("[a-z ]+")),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=40, structured_outputs=regex("(the |cat |dog )+")),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ]
+    llm = LLM(str(path), speculative_config=NGRAM, **ENGINE)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in want]
+    assert all(o.metrics.get("spec_decode_num_accepted_tokens", 0) > 0 for o in outs), [
+        o.metrics for o in outs
+    ]
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.cache_info.num_usable_blocks
 
 

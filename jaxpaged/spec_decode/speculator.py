@@ -4,10 +4,10 @@ verified step taught about each (acceptance, back-off, the counters).
 Drafts go on ``Request.spec_token_ids`` for one schedule: the scheduler gives such a decoding request
 its last token plus the drafts as query tokens, the batch builder adds a sampled row per draft, the
 output processor keeps the accepted prefix (``rejection``) and the scheduler rolls the rest back.
-A request gets drafts only when all its tokens are on the host (the step before was taken in), it has no
-grammar (its mask at a draft's position would need the matcher advanced over the drafts before) and it is
-not a beam (``speculates``). Each verifying row samples with the request's parameters; penalty counts and
-the ``min_tokens`` mask count the drafts before its position as output (``sampling_inputs``).
+A request gets drafts only when all its tokens are on the host (the step before was taken in) and it is not
+a beam (``speculates``). Each verifying row samples with the request's parameters; penalty counts, the
+``min_tokens`` mask and the grammar's mask count the drafts before its position as output
+(``sampling_inputs``); a constrained request's drafts are cut where its grammar would refuse one.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ ACCEPTANCE_WINDOW = 16
 
 
 def speculates(r: Request) -> bool:
-    """Whether ``r`` may verify drafts: not a beam (its sampler inputs are fixed: ``multi_step``) nor a
-    sample with a grammar (those with per-step lists but no grammar may)."""
-    return r.multi_step or (r.sampling_params.needs_step_lists and r.grammar is None)
+    """Whether ``r`` may verify drafts: any sample but a beam (a beam has fixed sampler inputs, so it is not
+    ``multi_step`` only for being one)."""
+    return r.multi_step or r.sampling_params.needs_step_lists
 
 
 class Proposer(Protocol):
@@ -97,6 +97,10 @@ class Speculator:
                 ks.append(k)
         drafts = self.proposer.propose_many(reqs, ks) if reqs else []
         for r, d in zip(reqs, drafts):
+            if (
+                d and r.grammar is not None
+            ):  # only drafts its grammar takes: the verifying rows' masks follow them
+                d = d[: r.grammar.num_valid(d)]
             if d:
                 r.spec_token_ids = d
                 self._drafted.append(r)
