@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.metrics import SpecDecodingStats
 from jaxpaged.spec_decode.ngram_proposer import NgramProposer, find_ngram_draft
 from jaxpaged.spec_decode.rejection import num_accepted
+from jaxpaged.spec_decode.speculator import PROBE_WINDOW, Speculator
 from jaxpaged.speculative_config import SpeculativeConfig
 from test_sampler import _sample, exact_target, flags_for, logits_row, tensors
 
@@ -190,3 +193,27 @@ def test_spec_decoding_stats_arithmetic():
     assert s.acceptance_rate == 0.5 and s.mean_acceptance_length == 1 + 4 / 3
     total = s + SpecDecodingStats(1, 4, 4, [1, 1, 1, 1])
     assert total.num_accepted_tokens_per_pos == [3, 2, 2, 1] and total.num_drafts == 4
+
+
+def test_probe_looks_at_a_rotating_window_of_the_running_requests():
+    """In a large batch each probe asks the proposer about PROBE_WINDOW requests, and successive probes
+    cover every running request."""
+    asked: list[list[str]] = []
+
+    class Recording:
+        def has_drafts(self, requests):
+            asked.append([r.request_id for r in requests])
+            return False
+
+    running = []
+    for i in range(PROBE_WINDOW + 8):
+        r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10), max_tokens=10, seed=0, multi_step=True)
+        r.status = RequestStatus.RUNNING
+        running.append(r)
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    speculator = Speculator(config, Recording(), max_model_len=100)
+    speculator.probe(running)
+    speculator.probe(running)
+    assert all(len(ids) == PROBE_WINDOW for ids in asked)
+    assert {i for ids in asked for i in ids} == {r.request_id for r in running}
+    assert not speculator.wants_sync

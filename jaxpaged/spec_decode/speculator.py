@@ -20,6 +20,9 @@ from jaxpaged.speculative_config import SpeculativeConfig
 
 ACCEPTANCE_WINDOW = 16
 """Drafted tokens over which a request's acceptance rate is judged (``min_acceptance_rate``)."""
+PROBE_WINDOW = 32
+"""Running requests a probe looks drafts up for per step, a window rotating over them: bounds its host work
+in a large batch."""
 
 
 def speculates(r: Request) -> bool:
@@ -54,6 +57,8 @@ class Speculator:
         self._window: dict[str, list[int]] = {}
         """Request id -> [drafted, accepted, steps to sit out] of its current window."""
         self._drafted: list[Request] = []
+        self._probe_at = 0
+        """Where the next probe's window starts in ``running``."""
 
     def _draft_room(self, r: Request) -> int:
         """Drafts ``r`` may take now: 0 unless it is a plain decode with all its tokens on the host and
@@ -108,10 +113,15 @@ class Speculator:
 
     def probe(self, running: Sequence[Request]) -> None:
         """While steps run ahead (async scheduling, the last tokens in flight): whether the next step
-        should wait and speculate, judged on the tokens the host has."""
+        should wait and speculate, judged on the tokens the host has, for ``PROBE_WINDOW`` requests at most."""
         if not self._by_batch_size(running):
             self.wants_sync = False
             return
+        if len(running) > PROBE_WINDOW:
+            start = self._probe_at % len(running)
+            self._probe_at = start + PROBE_WINDOW
+            wrapped = max(0, start + PROBE_WINDOW - len(running))
+            running = [*running[start : start + PROBE_WINDOW], *running[:wrapped]]
         reqs = []
         for r in running:
             if (
