@@ -29,7 +29,6 @@ import numpy as np
 
 from benchmarks.common import UNDER_LOAD, print_table, resolve_model_arg, write_json
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.spec_decode.metrics import SpecDecodingStats
 
 PASSAGES = [
     "The harbour town wakes before the sun. Fishing boats slip out past the lighthouse while the bakery on "
@@ -144,12 +143,8 @@ def main() -> None:
                 tpot = statistics.median(r[0] for r in runs[name])
                 tps = statistics.median(r[1] for r in runs[name])
                 stats = llm.engine.spec_decode_stats
-                if stats is not None:  # these rounds' counts
-                    stats = stats + SpecDecodingStats(
-                        -before[name].num_drafts,
-                        -before[name].num_draft_tokens,
-                        -before[name].num_accepted_tokens,
-                    )
+                if stats is not None:
+                    stats = stats - before[name]  # these rounds' counts
                 accept = "" if not stats or not stats.num_drafts else f"{stats.acceptance_rate:.2f}"
                 length = "" if not stats or not stats.num_drafts else f"{stats.mean_acceptance_length:.2f}"
                 # Requests whose tokens differ from the plain engine's (see the module docstring).

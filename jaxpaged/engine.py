@@ -350,9 +350,10 @@ class LLMEngine(EngineBase):
             return []
         res = self.runner.collect(step.launched)
         now = time.time()
-        accepted = self._verify(step.out, res) if step.out.spec_token_ids else {}
-        processed = self.output_processor.process(step.out, res, now, accepted)
-        self._record_step(step.out, now, processed.num_first_or_dropped, sum(accepted.values()))
+        verified = self._verify(step.out, res) if step.out.spec_token_ids else {}
+        processed = self.output_processor.process(step.out, res, now, verified)
+        num_kept_drafts = sum(len(taken) - 1 for taken in verified.values())
+        self._record_step(step.out, now, processed.num_first_or_dropped, num_kept_drafts)
         outputs = processed.outputs
         for search in processed.beam_searches:
             if search.root.request_id not in self._beam_searches.by_id:
@@ -366,26 +367,27 @@ class LLMEngine(EngineBase):
                 outputs.append(output)
         return outputs
 
-    def _verify(self, out: SchedulerOutput, res: StepOutput) -> dict[int, int]:
-        """The drafts each verifying row of ``out`` keeps (``rejection``), by row; the rest are rolled
-        back (``Scheduler.reject_draft_tokens``) and the speculator counts both."""
+    def _verify(self, out: SchedulerOutput, res: StepOutput) -> dict[int, list[int]]:
+        """For each verifying row of ``out``, the sampled rows whose tokens it keeps: its kept drafts' and the
+        one after them (``rejection``); the rest are rolled back (``Scheduler.reject_draft_tokens``) and the
+        speculator counts both."""
         rows = sorted(out.spec_token_ids)
         drafts = [out.spec_token_ids[i] for i in rows]
+        # The sampled row of each position: the drafts' rows (``verify_rows``), then the row's own (the bonus).
+        orders = [[*range(first, first + len(d)), i] for i, d, first in zip(rows, drafts, out.verify_rows())]
         k = max(map(len, drafts))
         tokens = res.sampled.tokens
         sampled = np.full((len(rows), k + 1), -1, np.int64)
         padded_drafts = np.full((len(rows), k), -1, np.int64)
-        for j, (i, first) in enumerate(zip(rows, out.verify_rows())):
-            m = len(drafts[j])
-            sampled[j, :m] = tokens[first : first + m]
-            sampled[j, m] = tokens[i]
-            padded_drafts[j, :m] = drafts[j]
+        for j, (d, order) in enumerate(zip(drafts, orders)):
+            sampled[j, : len(order)] = tokens[order]
+            padded_drafts[j, : len(d)] = d
         kept = num_accepted(sampled, padded_drafts).tolist()
         for i, d, a in zip(rows, drafts, kept):
             request = out.requests[i]
             self.scheduler.reject_draft_tokens(request, len(d) - a)
             self.speculator.record(request, len(d), a)
-        return dict(zip(rows, kept))
+        return {i: order[: a + 1] for i, order, a in zip(rows, orders, kept)}
 
     def _record_step(
         self, out: SchedulerOutput, now: float, num_first_or_dropped: int, num_accepted_drafts: int = 0

@@ -43,22 +43,17 @@ def _stop_prefix_len(text: str, stops: list[str], end: int) -> int:
     return best
 
 
-def _verified_rows(rows, out: SchedulerOutput, accepted: dict[int, int]):
-    """``rows`` (``(sampled row, request)`` pairs) with each verifying row's kept drafts, then the token
-    sampled after them, in its place: the kept drafts' rows are their sampled rows (``verify_rows``),
-    equal to the drafts, and the last is the first rejected position's sample or, with every draft
-    kept, the row's own (the bonus token). Its placeholder count grows by the extra tokens."""
-    firsts = dict(zip(sorted(out.spec_token_ids), out.verify_rows()))
+def _verified_rows(rows, verified: dict[int, list[int]]):
+    """``rows`` (``(sampled row, request)`` pairs) with each verifying row replaced by the sampled rows whose
+    tokens it keeps (``LLMEngine._verify``); its placeholder count grows by the extra tokens."""
     for i, req in rows:
-        a = accepted.get(i)
-        if a is None:
+        taken = verified.get(i)
+        if taken is None:
             yield i, req
             continue
-        first = firsts[i]
-        req.num_output_placeholders += a
-        for j in range(a):
-            yield first + j, req
-        yield (first + a if a < len(out.spec_token_ids[i]) else i), req
+        req.num_output_placeholders += len(taken) - 1
+        for row in taken:
+            yield row, req
 
 
 @dataclass
@@ -127,11 +122,11 @@ class OutputProcessor:
     # ---- a step's samples -----------------------------------------------------------------
 
     def process(
-        self, out: SchedulerOutput, res: StepOutput, now: float, accepted: dict[int, int] | None = None
+        self, out: SchedulerOutput, res: StepOutput, now: float, verified: dict[int, list[int]] | None = None
     ) -> ProcessedStep:
         """Append a step's samples, check their stops, and build the outputs of the requests with
-        something to report; beams' candidates go to their searches. ``accepted``: how many drafts each
-        verifying row (``out.spec_token_ids``) keeps; it appends them and the token sampled after them."""
+        something to report; beams' candidates go to their searches. ``verified``: for each verifying row
+        (``out.spec_token_ids``), the sampled rows of the tokens it keeps, appended in order."""
         self._record_prompt_logprobs(out.requests, res)
         touched: dict[str, Request] = {}
         searches: dict[str, BeamSearch] = {}
@@ -141,8 +136,8 @@ class OutputProcessor:
             # Rows that sample: requests whose step reached their last known token, then the forks.
             R = len(out.requests)
             rows = itertools.compress(enumerate(out.requests), out.samples)
-            if accepted:
-                rows = _verified_rows(rows, out, accepted)
+            if verified:
+                rows = _verified_rows(rows, verified)
             if out.forks:
                 rows = itertools.chain(rows, ((R + j, child) for j, (_, child) in enumerate(out.forks)))
             num_first_or_dropped = self._append_samples(rows, res.sampled, now, touched, searches)

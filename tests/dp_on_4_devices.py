@@ -127,3 +127,21 @@ def test_async_engine_serves_through_replicas(tiny, reference, prompts):
         assert 'num_gpu_blocks="128"' in text
     finally:
         engine.shutdown()
+
+
+def test_speculation_across_replicas_sums_their_counters(tiny):
+    """n-gram speculation in each replica: the plain single engine's tokens, and the replicas' counters summed."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 350, 5).tolist() * 4 for _ in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    want = [
+        o.outputs[0].token_ids for o in LLM(str(tiny[0]), **ENGINE).generate(prompts, greedy, use_tqdm=False)
+    ]
+    llm = LLM(str(tiny[0]), data_parallel_size=2, speculative_config=spec, **ENGINE)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    per_replica = [e.spec_decode_stats for e in llm.engine.replicas]
+    total = llm.engine.spec_decode_stats
+    assert all(s.num_drafts > 0 for s in per_replica)
+    assert total.num_accepted_tokens == sum(s.num_accepted_tokens for s in per_replica) > 0
+    assert total.num_drafts == sum(s.num_drafts for s in per_replica)

@@ -13,7 +13,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.metrics import SpecDecodingStats
 from jaxpaged.spec_decode.ngram_proposer import NgramProposer, find_ngram_draft
 from jaxpaged.spec_decode.rejection import num_accepted
-from jaxpaged.spec_decode.speculator import PROBE_WINDOW, Speculator
+from jaxpaged.spec_decode.speculator import ACCEPTANCE_WINDOW, PROBE_WINDOW, Speculator
 from jaxpaged.speculative_config import SpeculativeConfig
 from test_sampler import _sample, exact_target, flags_for, logits_row, tensors
 
@@ -193,6 +193,7 @@ def test_spec_decoding_stats_arithmetic():
     assert s.acceptance_rate == 0.5 and s.mean_acceptance_length == 1 + 4 / 3
     total = s + SpecDecodingStats(1, 4, 4, [1, 1, 1, 1])
     assert total.num_accepted_tokens_per_pos == [3, 2, 2, 1] and total.num_drafts == 4
+    assert total - s == SpecDecodingStats(1, 4, 4, [1, 1, 1, 1])
 
 
 def test_probe_looks_at_a_rotating_window_of_the_running_requests():
@@ -217,3 +218,78 @@ def test_probe_looks_at_a_rotating_window_of_the_running_requests():
     assert all(len(ids) == PROBE_WINDOW for ids in asked)
     assert {i for ids in asked for i in ids} == {r.request_id for r in running}
     assert not speculator.wants_sync
+
+
+class FixedProposer:
+    """Proposes ``drafts`` for every request it is asked about."""
+
+    def __init__(self, drafts: list[int]):
+        self.drafts = drafts
+
+    def propose_many(self, requests, ks):
+        return [self.drafts[:k] for k in ks]
+
+    def has_drafts(self, requests):
+        return bool(requests)
+
+    def forget(self, request_id):
+        pass
+
+
+def decoding(n: int, prompt_len: int = 5, max_tokens: int = 20) -> list[Request]:
+    """``n`` running requests with every token but the last computed (where a decode proposes)."""
+    out = []
+    for i in range(n):
+        r = Request(
+            f"r{i}",
+            list(range(prompt_len)),
+            SamplingParams(max_tokens=max_tokens),
+            max_tokens,
+            0,
+            multi_step=True,
+        )
+        r.status, r.num_computed_tokens = RequestStatus.RUNNING, prompt_len - 1
+        out.append(r)
+    return out
+
+
+def test_no_proposals_from_disable_by_batch_size_on():
+    config = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    )
+    speculator = Speculator(config, FixedProposer([7, 8, 9]), max_model_len=100)
+    speculator.propose(decoding(3))
+    assert speculator.wants_sync
+    many = decoding(4)
+    speculator.propose(many)
+    speculator.probe(many)
+    assert not speculator.wants_sync and all(not r.spec_token_ids for r in many)
+
+
+def test_low_acceptance_backs_off_for_a_window_then_proposes_again():
+    """A request whose last ACCEPTANCE_WINDOW drafted tokens were accepted less often than min_acceptance_rate
+    proposes nothing for ACCEPTANCE_WINDOW steps; one accepting enough keeps proposing; drafts stop short of
+    max_tokens and max_model_len."""
+    config = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.25}
+    )
+    speculator = Speculator(config, FixedProposer([7, 8, 9, 10]), max_model_len=100)
+    low, high = decoding(2)
+    for _ in range(ACCEPTANCE_WINDOW // 4):
+        speculator.record(low, 4, 0)  # 0 of 16: below 0.25
+        speculator.record(high, 4, 1)  # 4 of 16: not below
+    for step in range(ACCEPTANCE_WINDOW):
+        speculator.propose([low, high])
+        assert (list(low.spec_token_ids), list(high.spec_token_ids)) == ([], [7, 8, 9, 10]), step
+        speculator.clear_drafts()
+    speculator.propose([low, high])
+    assert list(low.spec_token_ids) == [7, 8, 9, 10]
+    assert (low.num_spec_draft_tokens, low.num_spec_accepted_tokens, low.num_spec_verifications) == (16, 0, 4)
+    near_end = decoding(1, max_tokens=3)[0]
+    near_end.output_token_ids = [1]
+    near_end.num_computed_tokens = near_end.num_tokens - 1
+    short_context = Speculator(config, FixedProposer([7, 8, 9, 10]), max_model_len=7)
+    short_context.propose(decoding(1))
+    speculator.propose([near_end])
+    assert list(near_end.spec_token_ids) == [7]  # 2 outputs left: one draft, then the sampled token
+    assert list(short_context._drafted[0].spec_token_ids) == [7, 8]  # 5 tokens + 2 drafts = max_model_len

@@ -48,11 +48,20 @@ class SpecDecodingStats:
 
     def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
         """The sum of two engines' counters (data parallelism)."""
+        return self._combined(other, 1)
+
+    def __sub__(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """What was counted since ``earlier``, a copy of these counters taken before."""
+        return self._combined(earlier, -1)
+
+    def _combined(self, other: SpecDecodingStats, sign: int) -> SpecDecodingStats:
         a, b = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
-        n = max(len(a), len(b))
         return SpecDecodingStats(
-            self.num_drafts + other.num_drafts,
-            self.num_draft_tokens + other.num_draft_tokens,
-            self.num_accepted_tokens + other.num_accepted_tokens,
-            [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)],
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            [
+                (a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0)
+                for i in range(max(len(a), len(b)))
+            ],
         )

@@ -60,18 +60,21 @@ class Speculator:
         self._probe_at = 0
         """Where the next probe's window starts in ``running``."""
 
+    def _may_draft(self, r: Request) -> bool:
+        """Whether ``r`` is a running sample that may verify drafts, with room for one (an output after the
+        one it samples next) and no back-off to sit out (counting the step if it has one)."""
+        return (
+            r.status is RequestStatus.RUNNING
+            and speculates(r)
+            and not r.pending_forks
+            and len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens - 1
+            and not self._sits_out(r)
+        )
+
     def _draft_room(self, r: Request) -> int:
-        """Drafts ``r`` may take now: 0 unless it is a plain decode with all its tokens on the host and
-        no back-off to sit out; never past its last output token or ``max_model_len``."""
-        if (
-            r.status is not RequestStatus.RUNNING
-            or not speculates(r)
-            or r.pending_forks
-            or r.num_output_placeholders
-            or r.num_computed_tokens != r.num_tokens - 1
-        ):
-            return 0
-        if self._sits_out(r):
+        """Drafts ``r`` may take now: 0 unless all its tokens are on the host, only its last one uncomputed,
+        and ``_may_draft``; never past its last output token or ``max_model_len``."""
+        if r.num_output_placeholders or r.num_computed_tokens != r.num_tokens - 1 or not self._may_draft(r):
             return 0
         left = r.max_tokens - len(r.output_token_ids) - 1  # the step samples one more token besides
         return max(0, min(self.config.num_speculative_tokens, left, self.max_model_len - r.num_tokens))
@@ -102,9 +105,8 @@ class Speculator:
                 ks.append(k)
         drafts = self.proposer.propose_many(reqs, ks) if reqs else []
         for r, d in zip(reqs, drafts):
-            if (
-                d and r.grammar is not None
-            ):  # only drafts its grammar takes: the verifying rows' masks follow them
+            # A constrained request keeps the drafts its grammar takes: its verifying rows' masks follow them.
+            if d and r.grammar is not None:
                 d = d[: r.grammar.num_valid(d)]
             if d:
                 r.spec_token_ids = d
@@ -122,16 +124,7 @@ class Speculator:
             self._probe_at = start + PROBE_WINDOW
             wrapped = max(0, start + PROBE_WINDOW - len(running))
             running = [*running[start : start + PROBE_WINDOW], *running[:wrapped]]
-        reqs = []
-        for r in running:
-            if (
-                r.status is RequestStatus.RUNNING
-                and speculates(r)
-                and not r.pending_forks
-                and len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens - 1
-                and not self._sits_out(r)
-            ):
-                reqs.append(r)
+        reqs = [r for r in running if self._may_draft(r)]
         self.wants_sync = bool(reqs) and self.proposer.has_drafts(reqs)
 
     def clear_drafts(self) -> None:
